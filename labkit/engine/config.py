@@ -1,0 +1,46 @@
+"""EngineConfig: the engine's settings, validated once when made."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How big the cache is, how many sequences decode together, and where they run.
+
+    ``num_blocks=None`` sizes the cache so that ``max_batch`` sequences of the model's full
+    context fit. ``batch_invariant`` runs every decode matmul on row tiles of ``tile_rows`` so a
+    row's numbers never depend on how many neighbours it has (see runner.py).
+    ``max_waiting=None`` means no waiting limit. ``kv_cache_mb`` caps the default cache size.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_batch: int = 32
+    max_waiting: int | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    batch_invariant: bool = True
+    tile_rows: int = 8
+    kv_cache_mb: int = 512
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("max_batch", self.max_batch)
+        _positive("tile_rows", self.tile_rows)
+        _positive("kv_cache_mb", self.kv_cache_mb)
+        if self.num_blocks is not None:
+            _positive("num_blocks", self.num_blocks)
+        if self.max_waiting is not None and (not isinstance(self.max_waiting, int) or self.max_waiting < 0):
+            raise ValueError(f"EngineConfig.max_waiting must be a non-negative int or None, got {self.max_waiting!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"EngineConfig.device must be a device name like 'cpu' or 'cuda', got {self.device!r}")
+
+
+def _positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")

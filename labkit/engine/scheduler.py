@@ -1,0 +1,132 @@
+"""Who runs next: the inbox, the waiting queue, the running set, and the blocks they hold.
+
+Other threads only ever touch the inbox. Everything else is changed by the step thread, between
+forward passes, which is why cancelling a sequence can never pull tensors out from under the
+model: a cancel is a wish until the next step boundary carries it out.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from labkit.engine.cache import BlockManager
+from labkit.engine.events import FinishReason
+from labkit.engine.sequence import Sequence, Status
+
+Verb = Literal["submit", "cancel", "pause", "resume"]
+
+
+@dataclass(frozen=True)
+class Command:
+    verb: Verb
+    rid: str
+    seq: Sequence | None = None
+
+
+class Inbox:
+    """A thread-safe list of wishes, drained once per step; a Condition lets the step thread sleep."""
+
+    def __init__(self) -> None:
+        self._items: deque[Command] = deque()
+        self.cond = threading.Condition()
+
+    def put(self, command: Command) -> None:
+        with self.cond:
+            self._items.append(command)
+            self.cond.notify_all()
+
+    def drain(self) -> list[Command]:
+        with self.cond:
+            items = list(self._items)
+            self._items.clear()
+            return items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def count_submits(self) -> int:
+        with self.cond:
+            return sum(1 for c in self._items if c.verb == "submit")
+
+
+class Scheduler:
+    """FIFO admission by reservation, a batch limit, pause/resume/cancel, one place to release."""
+
+    def __init__(self, blocks: BlockManager, max_batch: int) -> None:
+        self.blocks = blocks
+        self.max_batch = max_batch
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.live: dict[str, Sequence] = {}
+
+    # -- the inbox, applied at a step boundary ---------------------------------------------
+    def apply(self, command: Command) -> Sequence | None:
+        """Carry out one wish. Returns a sequence that a cancel has just finished, if any."""
+        if command.verb == "submit":
+            assert command.seq is not None
+            self.live[command.rid] = command.seq
+            self.waiting.append(command.seq)
+            return None
+        seq = self.live.get(command.rid)
+        if seq is None:  # unknown or already finished: a harmless no-op
+            return None
+        if command.verb == "cancel":
+            self.finish(seq, "cancelled")
+            return seq
+        seq.paused = command.verb == "pause"
+        return None
+
+    # -- admission ----------------------------------------------------------------------
+    def admit(self) -> list[Sequence]:
+        """Admit waiting requests in order while a slot and their whole reservation are free.
+
+        The head of the queue is never overtaken by a smaller request behind it (no
+        starvation); paused requests keep their place but are stepped over.
+        """
+        admitted: list[Sequence] = []
+        for seq in list(self.waiting):
+            if seq.paused:
+                continue
+            if len(self.running) >= self.max_batch or not self.blocks.can_allocate(seq.reservation):
+                break
+            self.blocks.allocate(seq.rid, seq.reservation)
+            self.waiting.remove(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def can_admit_any(self) -> bool:
+        for seq in self.waiting:
+            if not seq.paused:
+                return len(self.running) < self.max_batch and self.blocks.can_allocate(seq.reservation)
+        return False
+
+    def decodable(self, exclude: list[Sequence]) -> list[Sequence]:
+        """Running, unpaused sequences that did not just get their first token from a prefill."""
+        fresh = {id(s) for s in exclude}
+        return [s for s in self.running if not s.paused and id(s) not in fresh]
+
+    # -- the one place a sequence leaves -------------------------------------------------
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Mark ``seq`` finished and release its blocks; finishing it twice raises DoubleFree."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.blocks.deallocate(seq.rid)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.blocks.deallocate(seq.rid)  # not held any more: raises DoubleFree, loudly
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.live.pop(seq.rid, None)
+
+    def check_integrity(self) -> None:
+        running = {s.rid for s in self.running}
+        waiting = {s.rid for s in self.waiting}
+        assert not running & waiting, "a sequence is both running and waiting"
+        assert running | waiting == set(self.live), "live sequences differ from running + waiting"
+        assert len(self.running) <= self.max_batch, "batch limit exceeded"
+        self.blocks.check_integrity(running)

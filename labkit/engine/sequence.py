@@ -1,0 +1,82 @@
+"""One request's state inside the engine, from submit to finish."""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from labkit.engine.events import FinishReason
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the client asked for. Greedy when ``temperature == 0``."""
+
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token ids, sampling state and place in the scheduler of one request.
+
+    ``pending`` is the last sampled token, not yet in the cache: the next decode feeds it at
+    position ``num_cached``.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    paused: bool = False
+    finish_reason: FinishReason | None = None
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def reservation(self) -> int:
+        """Token slots this request can ever need: reserved whole at admission."""
+        return self.num_prompt + self.params.max_new_tokens
+
+    @property
+    def pending(self) -> int:
+        return self.output_ids[-1]
+
+    @property
+    def num_cached(self) -> int:
+        return self.num_prompt + self.num_output - 1
