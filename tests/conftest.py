@@ -1,12 +1,13 @@
 """Shared fixtures: the tiny models are loaded once per test session."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One intra-op thread: the tiny models are dominated by per-op overhead, and on a loaded
+# 2-core machine a second torch thread makes them many times slower, not faster.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,101 @@
+"""The ``labkit`` command: serve, bench, run, demo."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="labkit", description="streamlab's engine, service and experiments")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_demo(sub)
+    _add_bench(sub)
+    _add_serve(sub)
+    _add_run(sub)
+    args = parser.parse_args(argv)
+    _threads(getattr(args, "threads", None))
+    return int(args.func(args) or 0)
+
+
+def _threads(n: int | None) -> None:
+    import torch
+
+    if n:
+        torch.set_num_threads(n)
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="several concurrent prompts through the engine, printed with throughput")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--requests", type=int, default=6)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=None)
+
+    def run(args):
+        from labkit.demo import run_demo
+
+        run_demo(args.model, args.requests, args.new_tokens)
+
+    p.set_defaults(func=run)
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: decode-step cost and generation throughput")
+    p.add_argument("what", choices=["step", "generate"])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--batches", default="1,2,4,8,16,32", help="step: comma-separated batch sizes")
+    p.add_argument("--context", type=int, default=64, help="step: tokens already in each sequence's cache")
+    p.add_argument("--requests", type=int, default=32, help="generate: number of requests")
+    p.add_argument("--new-tokens", type=int, default=64, help="generate: tokens per request")
+    p.add_argument("--no-generate-batch", action="store_true", help="generate: skip transformers' generate_batch")
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=_bench)
+
+
+def _bench(args) -> None:
+    from labkit import bench
+
+    if args.what == "step":
+        cfg = bench.StepBench(model=args.model, batches=tuple(int(b) for b in args.batches.split(",")),
+                              context=args.context, dtype=args.dtype)
+        table = bench.bench_step(cfg)
+    else:
+        cfg = bench.GenerateBench(model=args.model, requests=args.requests, new_tokens=args.new_tokens,
+                                  dtype=args.dtype, with_generate_batch=not args.no_generate_batch)
+        table = bench.bench_generate(cfg)
+    print(table.to_markdown(index=False, floatfmt=".2f") if _has_tabulate() else table.round(2).to_string(index=False))
+
+
+def _has_tabulate() -> bool:
+    try:
+        import tabulate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="run the streaming service (uvicorn, 127.0.0.1 by default)")
+    try:
+        from labkit.server import add_serve_arguments, serve_from_args
+    except ImportError as exc:  # pragma: no cover - only while the service is absent
+        p.set_defaults(func=lambda args: sys.exit(f"labkit serve is unavailable: {exc}"))
+        return
+    add_serve_arguments(p)
+    p.set_defaults(func=serve_from_args)
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="run an experiment (or all) and write data/ and figures/")
+    try:
+        from labkit.experiments.cli import add_run_arguments, run_from_args
+    except ImportError as exc:  # pragma: no cover - only while the experiments are absent
+        p.set_defaults(func=lambda args: sys.exit(f"labkit run is unavailable: {exc}"))
+        return
+    add_run_arguments(p)
+    p.set_defaults(func=run_from_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

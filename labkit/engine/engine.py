@@ -1,0 +1,251 @@
+"""BatchEngine: a step-driven continuous-batching engine over a paged KV cache.
+
+Each ``step()`` applies the inbox, admits and prefills waiting requests (each prefill makes its
+request's first token), decodes one token for every other running sequence in one batched pass,
+and returns the events. Other threads only submit, cancel, pause and resume, which are recorded
+in the inbox and carried out at the next step boundary.
+"""
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable, Sequence as Seq
+
+from labkit.engine.cache import BlockManager
+from labkit.engine.config import EngineConfig
+from labkit.engine.events import Event, FinishEvent, TokenEvent, Usage
+from labkit.engine.runner import ModelRunner
+from labkit.engine.sampling import make_generator, sample
+from labkit.engine.scheduler import Command, Inbox, Scheduler
+from labkit.engine.sequence import SamplingParams, Sequence
+from labkit.engine.text import TextState
+from labkit.errors import EmptyPrompt, InvalidRequest, PromptTooLong, QueueFull
+from labkit.models.loaded import LoadedModel
+
+OnEvent = Callable[[Event], None]
+
+
+class BatchEngine:
+    """Many requests, one model, one batched decode per step. Drive it from one thread."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.model = model
+        self.config = config = config or EngineConfig()
+        self.tokenizer = model.tokenizer
+        self.max_context = model.max_context
+        num_blocks = config.num_blocks or default_num_blocks(model, config)
+        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
+                                  device=config.device, dtype=config.dtype,
+                                  batch_invariant=config.batch_invariant, tile_rows=config.tile_rows)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_batch)
+        self.inbox = Inbox()
+        self._eos = _eos_ids(model)
+        self._texts: dict[str, TextState] = {}
+        self._ids_lock = threading.Lock()
+        self._known: set[str] = set()
+        self._step_lock = threading.Lock()
+        self.counters: Counter[str] = Counter()
+        self.finished: Counter[str] = Counter()
+
+    # -- the thread-safe side ---------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt))
+
+    def submit(self, prompt: str | Seq[int], *, max_new_tokens: int = 64, stop: str | Seq[str] = (),
+               temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+               request_id: str | None = None) -> str:
+        """Validate a request in the caller's thread and queue it; returns its id.
+
+        Raises EmptyPrompt, PromptTooLong or InvalidRequest for a request that can never run, and
+        QueueFull at the waiting limit. Nothing is allocated until a step admits it.
+        """
+        ids = self._prompt_ids(prompt)
+        params = _params(max_new_tokens, stop, temperature, top_p, seed)
+        self._check_fits(len(ids), params.max_new_tokens)
+        rid = self._claim_id(request_id)
+        seq = Sequence(rid, ids, params, make_generator(params))
+        self.inbox.put(Command("submit", rid, seq))
+        return rid
+
+    def cancel(self, rid: str) -> None:
+        self.inbox.put(Command("cancel", rid))
+
+    def pause(self, rid: str) -> None:
+        self.inbox.put(Command("pause", rid))
+
+    def resume(self, rid: str) -> None:
+        self.inbox.put(Command("resume", rid))
+
+    def has_work(self) -> bool:
+        """Would a step do anything? (Something in the inbox, to decode, or to admit.)"""
+        return (len(self.inbox) > 0 or any(not s.paused for s in self.scheduler.running)
+                or self.scheduler.can_admit_any())
+
+    def wait_for_work(self, timeout: float) -> bool:
+        """Sleep until a step would do something or ``timeout`` passes; call from the step thread."""
+        with self.inbox.cond:
+            return self.inbox.cond.wait_for(self.has_work, timeout)
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self, on_event: OnEvent | None = None) -> list[Event]:
+        """One round of work. ``on_event`` sees each event the moment it exists."""
+        if not self._step_lock.acquire(blocking=False):
+            raise RuntimeError("BatchEngine.step() was called from two threads at once")
+        try:
+            events: list[Event] = []
+
+            def emit(event: Event) -> None:
+                events.append(event)
+                if on_event is not None:
+                    on_event(event)
+
+            self._apply_inbox(emit)
+            admitted = self.scheduler.admit()
+            for seq in admitted:
+                self._prefill(seq, emit)
+            batch = self.scheduler.decodable(exclude=admitted)
+            if batch:
+                self._decode(batch, emit)
+            self.counters["steps"] += 1
+            return events
+        finally:
+            self._step_lock.release()
+
+    def _apply_inbox(self, emit: OnEvent) -> None:
+        for command in self.inbox.drain():
+            if command.verb == "submit":
+                assert command.seq is not None
+                self._texts[command.rid] = TextState(self.tokenizer, command.seq.prompt_ids, command.seq.params.stop)
+            cancelled = self.scheduler.apply(command)
+            if cancelled is not None:
+                emit(self._finish_event(cancelled))
+
+    def _prefill(self, seq: Sequence, emit: OnEvent) -> None:
+        logits = self.runner.prefill(seq.prompt_ids, self.blocks.table(seq.rid))
+        self.counters["prefills"] += 1
+        self._accept(seq, sample(logits, seq.params, seq.generator), emit)
+
+    def _decode(self, batch: list[Sequence], emit: OnEvent) -> None:
+        logits = self.runner.decode([s.pending for s in batch], [s.num_cached for s in batch],
+                                    [self.blocks.table(s.rid) for s in batch])
+        self.counters["decode_steps"] += 1
+        for row, seq in enumerate(batch):
+            self._accept(seq, sample(logits[row], seq.params, seq.generator), emit)
+
+    def _accept(self, seq: Sequence, token_id: int, emit: OnEvent) -> None:
+        """Record a sampled token, emit its event, and finish the sequence if it is done."""
+        seq.output_ids.append(token_id)
+        self.counters["tokens"] += 1
+        is_eos = token_id in self._eos
+        reason = "eos" if is_eos else "length" if seq.num_output >= seq.params.max_new_tokens else None
+        text, stopped = self._texts[seq.rid].push(token_id, special=is_eos, final=reason is not None)
+        if stopped:
+            reason = "stop"
+        emit(TokenEvent(seq.rid, seq.num_output - 1, token_id, text, time.perf_counter()))
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            emit(self._finish_event(seq))
+
+    def _finish_event(self, seq: Sequence) -> FinishEvent:
+        assert seq.finish_reason is not None
+        self._texts.pop(seq.rid, None)
+        self.finished[seq.finish_reason] += 1
+        return FinishEvent(seq.rid, seq.finish_reason, Usage(seq.num_prompt, seq.num_output), time.perf_counter())
+
+    # -- validation --------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.encode(prompt) if prompt else []
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise InvalidRequest(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise EmptyPrompt("prompt is empty: it must contain at least one token")
+        vocab = self.model.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
+        total = num_prompt + max_new_tokens
+        if total > self.max_context:
+            raise PromptTooLong(f"prompt ({num_prompt} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
+                                f"exceeds the model's context of {self.max_context} tokens")
+        if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
+            raise PromptTooLong(f"prompt + max_new_tokens = {total} tokens needs {self.blocks.blocks_needed(total)} "
+                                f"blocks, more than the whole cache ({self.blocks.num_blocks})")
+
+    def _claim_id(self, request_id: str | None) -> str:
+        limit = self.config.max_waiting
+        with self._ids_lock:
+            if limit is not None and len(self.scheduler.waiting) + self.inbox.count_submits() >= limit:
+                raise QueueFull(f"{limit} requests are already waiting for a slot")
+            rid = request_id or f"req-{secrets.token_hex(6)}"
+            if not isinstance(rid, str) or rid in self._known:
+                raise InvalidRequest(f"request_id {rid!r} is already in use")
+            self._known.add(rid)
+            return rid
+
+    # -- introspection -------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        sched = self.scheduler
+        return {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting) + self.inbox.count_submits(),
+            "paused": sum(1 for s in list(sched.live.values()) if s.paused),
+            "free_blocks": self.blocks.num_free,
+            "reserved_blocks": self.blocks.num_held,
+            "total_blocks": self.blocks.num_blocks,
+            "block_size": self.blocks.block_size,
+            "max_batch": sched.max_batch,
+            "steps": self.counters["steps"],
+            "prefills": self.counters["prefills"],
+            "decode_steps": self.counters["decode_steps"],
+            "tokens_generated": self.counters["tokens"],
+            "releases": self.blocks.num_releases,
+            "finished": dict(self.finished),
+        }
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the cache's books or the queues disagree."""
+        self.scheduler.check_integrity()
+        assert set(self._texts) == set(self.scheduler.live), "text state and live sequences differ"
+
+
+def default_num_blocks(model: LoadedModel, config: EngineConfig) -> int:
+    """Enough blocks for ``max_batch`` full contexts, capped by ``config.kv_cache_mb``."""
+    per_seq = -(-model.max_context // config.block_size)
+    bytes_per_block = kv_bytes_per_token(model, config.dtype) * config.block_size
+    budget = (config.kv_cache_mb * 2**20) // bytes_per_block
+    return max(1, min(per_seq * config.max_batch, budget))
+
+
+def kv_bytes_per_token(model: LoadedModel, dtype: str) -> int:
+    cfg = model.model.config
+    if model.arch == "gpt2":
+        layers, width = cfg.n_layer, cfg.n_embd
+    else:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        layers, width = cfg.num_hidden_layers, cfg.num_key_value_heads * head_dim
+    return 2 * layers * width * (4 if dtype == "float32" else 2)
+
+
+def _eos_ids(model: LoadedModel) -> frozenset[int]:
+    eos = model.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset(eos) if isinstance(eos, (list, tuple, set, frozenset)) else frozenset({int(eos)})
+
+
+def _params(max_new_tokens: int, stop: str | Seq[str], temperature: float, top_p: float,
+            seed: int | None) -> SamplingParams:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    try:
+        return SamplingParams(max_new_tokens, stops, temperature, top_p, seed)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc

@@ -1,0 +1,127 @@
+"""ModelRunner: the paged forward. It sees token ids, positions and block tables, never requests.
+
+The KV pool holds every layer's keys and values in fixed-size blocks; the block manager
+(``cache.py``) decides which blocks a sequence owns, and the runner only reads and writes the
+slots it is told: position ``p`` of a sequence lives in block ``table[p // block_size]`` at
+offset ``p % block_size``.
+
+Prefill runs one prompt with plain matmuls: prompts are always prefilled one at a time, so a
+prompt's numbers are the same however busy the engine is. Decode runs one token for each of
+many sequences in one pass. With ``batch_invariant`` (the default) every decode matmul works on
+row tiles of ``tile_rows`` rows and each sequence's attention has a shape set by its own length
+(see ``layers.py`` and ``attention.py``), so a sequence's logits are bitwise the same whether it
+is decoded alone or beside any neighbours; the tests check exactly that.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from labkit.engine.attention import DEFAULT_SPAN, decode_attention, plan_decode, prefill_attention
+from labkit.engine.networks import Network, build_network
+from labkit.models.loaded import LoadedModel
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class KVPool:
+    """Keys and values for every layer: (layers, kv_heads, num_blocks, block_size, head_dim) each.
+
+    Heads come before blocks so that gathering a row's blocks yields, per head, one contiguous
+    run of positions, which attention can read without another copy. Zero-filled, so a masked
+    slot that was never written still holds a finite number.
+    """
+
+    def __init__(self, network: Network, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        s = network.shape
+        size = (s.num_layers, s.num_kv_heads, num_blocks, block_size, s.head_dim)
+        self.k = torch.zeros(size, dtype=dtype, device=device)
+        self.v = torch.zeros(size, dtype=dtype, device=device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        per_tensor = self.k.element_size() * self.k.numel() // self.num_blocks
+        return 2 * per_tensor
+
+    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store k/v (rows, kv_heads, d) at flat slots (block * block_size + offset)."""
+        heads, _, _, dim = self.k.shape[1:]
+        self.k[layer].view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
+        self.v[layer].view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))
+
+
+class ModelRunner:
+    """Runs a LoadedModel's weights over a paged KV cache, prefill and batched decode."""
+
+    def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int,
+                 device: str = "cpu", dtype: str = "float32",
+                 batch_invariant: bool = True, tile_rows: int = 8) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"ModelRunner dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
+        if num_blocks < 1 or block_size < 1 or tile_rows < 1:
+            raise ValueError(f"need num_blocks, block_size, tile_rows >= 1, got {num_blocks}, {block_size}, {tile_rows}")
+        self.device = torch.device(device)
+        self.dtype = _DTYPES[dtype]
+        self.network = build_network(loaded, self.dtype, self.device)
+        self.pool = KVPool(self.network, num_blocks, block_size, self.dtype, self.device)
+        self.block_size = block_size
+        self.batch_invariant = batch_invariant
+        self.tile_rows = tile_rows if batch_invariant else None
+        self.span = DEFAULT_SPAN
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers, keys and values together."""
+        return self.pool.bytes_per_block
+
+    @property
+    def max_positions(self) -> int:
+        return self.network.shape.max_positions
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: Sequence[int], block_table: Sequence[int]) -> Tensor:
+        """Run the whole prompt, write its K/V at positions 0..n-1 into the given blocks;
+        return float32 logits (vocab,) of the last position."""
+        n = len(token_ids)
+        positions = torch.arange(n, device=self.device)
+        slots = self._long([block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(n)])
+        net = self.network
+        x = net.embed(self._long(token_ids), positions)
+        at = net.positional(positions)
+        for layer in range(net.shape.num_layers):
+            q, k, v = net.qkv(layer, x, at, None)
+            self.pool.write(layer, slots, k, v)
+            x = net.finish(layer, x, prefill_attention(q, k, v), None)
+        return net.logits(x[-1:], None)[0].float()
+
+    @torch.inference_mode()
+    def decode(self, tokens: Sequence[int], positions: Sequence[int],
+               block_tables: Sequence[Sequence[int]]) -> Tensor:
+        """One token per sequence, sequences of different lengths in one batched pass: token b
+        sits at position positions[b] (= tokens already cached), its K/V is written there, and
+        it attends to positions 0..positions[b]. Returns float32 logits (B, vocab)."""
+        plan = plan_decode(positions, block_tables, self.block_size, invariant=self.batch_invariant,
+                           kv_heads=self.network.shape.num_kv_heads, dtype=self.dtype, device=self.device,
+                           span=self.span)
+        rows = len(tokens)
+        padded = rows if self.tile_rows is None else -(-rows // self.tile_rows) * self.tile_rows
+        pad = [0] * (padded - rows)  # filler rows: token 0 at position 0, never written or attended
+        net, tile = self.network, self.tile_rows
+        pos = self._long([positions[r] for r in plan.order] + pad)
+        x = net.embed(self._long([tokens[r] for r in plan.order] + pad), pos)
+        at = net.positional(pos)
+        for layer in range(net.shape.num_layers):
+            q, k, v = net.qkv(layer, x, at, tile)
+            self.pool.write(layer, plan.slots, k[:rows], v[:rows])
+            attn = decode_attention(q[:rows], self.pool.k[layer], self.pool.v[layer], plan)
+            x = net.finish(layer, x, F.pad(attn, (0, 0, 0, padded - rows)), tile)
+        x = x.index_select(0, self._long(plan.inverse + list(range(rows, padded))))
+        return net.logits(x, tile)[:rows].float()
+
+    def _long(self, values: Sequence[int]) -> Tensor:
+        return torch.tensor(list(values), dtype=torch.long, device=self.device)

@@ -1,0 +1,72 @@
+"""Bad input raises a named error with a clear message and leaves nothing allocated."""
+import pytest
+
+from engine_helpers import PROMPTS, collect, drain, make_engine
+from labkit.engine.config import EngineConfig
+from labkit.errors import EmptyPrompt, InvalidRequest, PromptTooLong, QueueFull
+
+
+@pytest.mark.parametrize("prompt", ["", []])
+def test_empty_prompt_is_refused(tiny_gpt2, prompt):
+    engine = make_engine(tiny_gpt2)
+    with pytest.raises(EmptyPrompt):
+        engine.submit(prompt)
+    assert not engine.has_work()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_max_new_tokens_below_one_or_not_an_int_is_refused(tiny_gpt2, bad):
+    with pytest.raises(InvalidRequest, match="max_new_tokens"):
+        make_engine(tiny_gpt2).submit(PROMPTS[0], max_new_tokens=bad)
+
+
+def test_prompt_plus_new_tokens_beyond_the_context_is_refused(tiny_gpt2):
+    engine = make_engine(tiny_gpt2)
+    with pytest.raises(PromptTooLong, match="context"):
+        engine.submit(PROMPTS[0], max_new_tokens=tiny_gpt2.max_context)
+
+
+def test_request_larger_than_the_whole_cache_is_refused(tiny_gpt2):
+    engine = make_engine(tiny_gpt2, num_blocks=4, block_size=4)
+    with pytest.raises(PromptTooLong, match="whole cache"):
+        engine.submit(PROMPTS[0], max_new_tokens=16)
+    assert engine.stats()["reserved_blocks"] == 0
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"stop": [""]},
+                                    {"seed": "x"}])
+def test_bad_sampling_parameters_are_refused(tiny_gpt2, kwargs):
+    with pytest.raises(InvalidRequest):
+        make_engine(tiny_gpt2).submit(PROMPTS[0], **kwargs)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tiny_gpt2):
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        make_engine(tiny_gpt2).submit([1, 2, tiny_gpt2.vocab_size])
+
+
+def test_waiting_limit_refuses_with_queue_full_and_frees_up_after_admission(tiny_gpt2):
+    engine = make_engine(tiny_gpt2, max_batch=1, max_waiting=2)
+    engine.submit(PROMPTS[0], max_new_tokens=3)
+    engine.submit(PROMPTS[1], max_new_tokens=3)
+    with pytest.raises(QueueFull):
+        engine.submit(PROMPTS[2], max_new_tokens=3)
+    outcomes = {}
+    collect(engine.step(), outcomes)  # one is admitted, so one place in the queue opens
+    engine.submit(PROMPTS[2], max_new_tokens=3)
+    assert all(o.reason == "length" for o in drain(engine, outcomes).values())
+
+
+def test_a_request_id_cannot_be_reused(tiny_gpt2):
+    engine = make_engine(tiny_gpt2)
+    engine.submit(PROMPTS[0], max_new_tokens=2, request_id="abc")
+    with pytest.raises(InvalidRequest, match="already in use"):
+        engine.submit(PROMPTS[0], max_new_tokens=2, request_id="abc")
+    drain(engine)
+
+
+@pytest.mark.parametrize("field,value", [("block_size", 0), ("max_batch", -3), ("num_blocks", 0),
+                                         ("dtype", "int8"), ("max_waiting", -1), ("tile_rows", 0)])
+def test_engine_config_names_the_bad_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
