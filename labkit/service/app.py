@@ -1,0 +1,69 @@
+"""The FastAPI app: routes assembled, errors enveloped, and the hub tied to the app's lifespan.
+
+Routes live in modules named for what they serve: ``streaming`` (``/v1/stream``,
+``/v1/generate``), ``openai`` (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``),
+``resume`` (``/v1/streams/{id}/events``), ``lab`` (``/lab/...``); operations (``/stats``,
+``/healthz``, ``/metrics``) are here. Every route is ``async def``: a sync route or dependency
+would run in AnyIO's thread pool, and the lab promises that it starts no thread but the step
+thread (and the server's own, in ``serve_in_thread``).
+
+Shutdown happens in two steps. :meth:`Service.drain` runs while uvicorn still serves (see
+``labkit.server.LabServer``): new requests get 503, every open stream ends with an ``error`` of
+type ``shutdown``. Then the lifespan's end stops resume pumps and joins the step thread.
+"""
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from labkit.service import lab, openai, resume, streaming
+from labkit.service.errors import error_response, install_error_handlers
+from labkit.service.state import Service
+
+if TYPE_CHECKING:  # pragma: no cover
+    from labkit.server import ServiceConfig
+
+
+def build_app(engine: Any, hub: Any, config: ServiceConfig) -> FastAPI:
+    """An app serving ``engine`` through ``hub``; the hub's step thread runs during the lifespan."""
+    service = Service(engine, hub, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        hub.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await service.aclose()
+
+    app = FastAPI(title="labkit streamlab", version="0.1.0", lifespan=lifespan)
+    app.state.service = service
+    install_error_handlers(app, config.retry_after_s)
+    for module in (streaming, openai, resume, lab):
+        app.include_router(module.router)
+    _add_operations(app)
+    return app
+
+
+def _add_operations(app: FastAPI) -> None:
+    @app.get("/stats")
+    async def stats(request: Request) -> dict[str, Any]:
+        return request.app.state.service.stats()
+
+    @app.get("/healthz")
+    async def healthz(request: Request) -> Response:
+        service: Service = request.app.state.service
+        if service.hub.draining:
+            return error_response(503, "draining", "the server is draining", {"Retry-After": "1"})
+        if not service.hub.stats()["step_thread_alive"]:
+            return error_response(503, "internal_error", "the step thread is not running")
+        return JSONResponse({"status": "ok", "model": service.model_name})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        body, media_type = request.app.state.service.metrics.render()
+        return Response(body, media_type=media_type)

@@ -1,0 +1,85 @@
+"""Refusals as JSON: every error body the service sends is ``{"error": {"type", "message"}}``.
+
+FastAPI's own 422 (``{"detail": [...]}``) and Starlette's 404/405 bodies are replaced by the
+same envelope, so a client handles a refused request one way whatever refused it. The types a
+stream can also carry in-band come from :data:`labkit.schema.ERROR_TYPES`; a few that only an
+HTTP status can carry (``not_found``, ``gone``, ...) are added here.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from labkit.errors import InvalidRequest, LabkitError, PromptTooLong, QueueFull
+from labkit.hub import Draining
+from labkit.schema import ERROR_TYPES, error_envelope
+
+HTTP_ONLY_TYPES = frozenset({"not_found", "gone", "method_not_allowed", "http_error"})
+
+
+class ServiceError(LabkitError):
+    """A refusal with its status and type, raised by routes before the first byte."""
+
+    def __init__(self, status: int, type: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.message, self.headers = status, type, message, headers or {}
+
+
+def envelope(type: str, message: str) -> dict[str, Any]:
+    if type in ERROR_TYPES:
+        return error_envelope(type, message)
+    if type not in HTTP_ONLY_TYPES:
+        raise ValueError(f"unknown error type {type!r}")
+    return {"error": {"type": type, "message": message}}
+
+
+def error_response(status: int, type: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(envelope(type, message), status_code=status, headers=headers)
+
+
+def as_service_error(exc: Exception, retry_after_s: int = 1) -> ServiceError:
+    """Map labkit's named errors to HTTP: 422, 429 with Retry-After, 503 with Retry-After."""
+    if isinstance(exc, ServiceError):
+        return exc
+    if isinstance(exc, PromptTooLong):
+        return ServiceError(422, "prompt_too_long", str(exc))
+    if isinstance(exc, InvalidRequest):
+        return ServiceError(422, "invalid_request", str(exc))
+    if isinstance(exc, QueueFull):
+        return ServiceError(429, "queue_full", str(exc), {"Retry-After": str(retry_after_s)})
+    if isinstance(exc, Draining):
+        return ServiceError(503, "draining", str(exc), {"Retry-After": str(retry_after_s)})
+    return ServiceError(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+
+def describe_validation(exc: RequestValidationError) -> str:
+    """One readable line per problem: ``body.max_new_tokens: Input should be a valid integer``."""
+    parts = []
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            parts.append(f"invalid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
+            continue
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(422, "invalid_request", describe_validation(exc))
+
+    async def on_labkit(request: Request, exc: LabkitError) -> JSONResponse:
+        err = as_service_error(exc, retry_after_s)
+        return error_response(err.status, err.type, err.message, err.headers)
+
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, kind, str(exc.detail), getattr(exc, "headers", None))
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(LabkitError, on_labkit)
+    app.add_exception_handler(StarletteHTTPException, on_http)

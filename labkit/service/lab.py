@@ -1,0 +1,145 @@
+"""Lab routes: things the experiments need that a production server would not expose.
+
+``GET /lab/streams`` and ``GET /lab/streams/{request_id}``: the hub's per-stream records
+(submit, first token sampled / queued / taken, close, engine release, tokens generated and
+delivered, how it ended), all ``time.perf_counter()`` seconds on the server's clock.
+
+``POST /lab/flood`` {flood_id, event_bytes, count, block_threshold}: writes ``count`` SSE events
+of exactly ``event_bytes`` bytes each, as fast as the connection accepts them, and times every
+``send``. The first send that takes longer than ``block_threshold`` (default 50 ms) marks the
+point where the write blocked; the bytes of every send before it are "bytes accepted before the
+write blocks" (the app-level answer: uvicorn's transport buffer plus both kernels' socket
+buffers). A client that never reads sends the request on a raw socket with its own
+``flood_id``, reads nothing, polls ``GET /lab/flood/{flood_id}`` from another connection until
+``blocked`` is true, then closes; events are built as they are written, never stored.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from starlette.types import Message, Send
+
+from labkit.service.errors import ServiceError
+from labkit.service.responses import ClosingStreamingResponse, SSE_HEADERS, SSE_MEDIA_TYPE
+from labkit.service.streaming import Number, service_of
+from labkit.sse import ServerSentEvent
+
+router = APIRouter()
+
+
+@router.get("/lab/streams")
+async def all_records(request: Request) -> dict[str, Any]:
+    return {"streams": [r.as_dict() for r in service_of(request).hub.records()], "clock": time.perf_counter()}
+
+
+@router.get("/lab/streams/{request_id}")
+async def one_record(request: Request, request_id: str) -> dict[str, Any]:
+    record = service_of(request).hub.record(request_id)
+    if record is None:
+        raise ServiceError(404, "not_found", f"no record of stream {request_id!r}")
+    return record.as_dict()
+
+
+class FloodRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    flood_id: StrictStr | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    event_bytes: StrictInt = Field(1024, ge=32, le=16 * 2**20)
+    count: StrictInt = Field(256, ge=1, le=1_000_000)
+    block_threshold: Number = Field(0.05, gt=0, le=10)
+
+
+@dataclass
+class FloodRecord:
+    flood_id: str
+    event_bytes: int
+    count: int
+    block_threshold: float
+    started: float = field(default_factory=time.perf_counter)
+    events_accepted: int = 0  # events whose send returned before the first blocked send
+    bytes_accepted: int = 0  # their SSE bytes
+    wire_bytes_accepted: int = 0  # the same plus HTTP/1.1 chunk framing (headers not counted)
+    blocked: bool = False
+    blocked_at: float | None = None
+    block_seconds: float | None = None  # how long that first blocked send took, once it returned
+    events_sent: int = 0
+    finished: bool = False
+
+    def sent(self, size: int, seconds: float, now: float) -> None:
+        self.events_sent += 1
+        if self.blocked:
+            if self.block_seconds is None:
+                self.block_seconds = seconds
+            return
+        self.events_accepted += 1
+        self.bytes_accepted += size
+        self.wire_bytes_accepted += size + len(f"{size:x}") + 4
+
+    def block(self, now: float) -> None:
+        if not self.blocked:
+            self.blocked, self.blocked_at = True, now
+
+
+def flood_event(index: int, size: int) -> bytes:
+    base = ServerSentEvent(event="flood", id=index, data="").encode()
+    return ServerSentEvent(event="flood", id=index, data="x" * max(0, size - len(base))).encode()
+
+
+async def flood_body(count: int, size: int) -> AsyncIterator[bytes]:
+    for index in range(1, count + 1):
+        yield flood_event(index, size)
+
+
+class FloodResponse(ClosingStreamingResponse):
+    """Starlette's response with every body ``send`` timed against the block threshold."""
+
+    def __init__(self, content: Any, record: FloodRecord, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.record = record
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for chunk in self.body_iterator:
+                await self._timed_send(send, {"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.record.finished = True
+
+    async def _timed_send(self, send: Send, message: Message) -> None:
+        start = time.perf_counter()
+        task = asyncio.ensure_future(send(message))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.record.block_threshold)
+            if not done:
+                self.record.block(time.perf_counter())
+                await task
+        finally:
+            task.cancel()
+        task.result()
+        self.record.sent(len(message["body"]), time.perf_counter() - start, time.perf_counter())
+
+
+@router.post("/lab/flood")
+async def flood(body: FloodRequest, request: Request) -> FloodResponse:
+    service = service_of(request)
+    flood_id = body.flood_id or uuid.uuid4().hex[:12]
+    if flood_id in service.floods:
+        raise ServiceError(422, "invalid_request", f"flood_id {flood_id!r} is already in use")
+    record = FloodRecord(flood_id, body.event_bytes, body.count, body.block_threshold)
+    service.remember_flood(flood_id, record)
+    headers = {**SSE_HEADERS, "X-Flood-ID": flood_id}
+    return FloodResponse(flood_body(body.count, body.event_bytes), record, media_type=SSE_MEDIA_TYPE, headers=headers)
+
+
+@router.get("/lab/flood/{flood_id}")
+async def flood_result(request: Request, flood_id: str) -> dict[str, Any]:
+    record = service_of(request).floods.get(flood_id)
+    if record is None:
+        raise ServiceError(404, "not_found", f"no flood {flood_id!r}")
+    return asdict(record)

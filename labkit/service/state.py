@@ -1,0 +1,73 @@
+"""Service: what one app holds (engine, hub, settings, resume logs, metrics, flood records).
+
+Routes reach it as ``request.app.state.service``. Everything here runs on the event loop's
+thread; the engine is touched only through its thread-safe side (submit, cancel, stats).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Sequence
+
+from labkit.service.metrics import Metrics
+from labkit.service.resume import ResumeRegistry
+from labkit.streams import Stream
+
+if TYPE_CHECKING:  # pragma: no cover
+    from labkit.server import ServiceConfig
+
+
+class Service:
+    def __init__(self, engine: Any, hub: Any, config: ServiceConfig) -> None:
+        self.engine, self.hub, self.config = engine, hub, config
+        self.model_name: str = engine.model.name
+        self.metrics = Metrics(hub, engine)
+        hub.observer = self.metrics
+        self.resume = ResumeRegistry(hub, self.model_name, grace=config.resume_grace,
+                                     capacity=config.resume_log_events, keepalive=config.keepalive_interval,
+                                     pad_bytes=config.pad_bytes)
+        self.floods: OrderedDict[str, Any] = OrderedDict()
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.engine.encode(prompt) if prompt else []
+
+    def open(self, prompt_ids: Sequence[int], *, max_new_tokens: int, stop: str | Sequence[str] | None,
+             temperature: float, top_p: float, seed: int | None) -> Stream:
+        """Refuse (raise) or submit: EmptyPrompt, PromptTooLong, InvalidRequest, QueueFull, Draining."""
+        return self.hub.open(list(prompt_ids), max_new_tokens=max_new_tokens, stop=stop or (),
+                             temperature=temperature, top_p=top_p, seed=seed)
+
+    def remember_flood(self, flood_id: str, record: Any, keep: int = 256) -> None:
+        self.floods[flood_id] = record
+        while len(self.floods) > keep:
+            self.floods.popitem(last=False)
+
+    async def drain(self) -> None:
+        """Stop admitting, end open streams with ``error: shutdown``, wait up to the grace period."""
+        await self.hub.drain(self.config.drain_grace)
+
+    async def aclose(self) -> None:
+        """After uvicorn stopped serving: stop resume pumps, then the step thread."""
+        await self.resume.aclose()
+        await self.hub.aclose()
+
+    def stats(self) -> dict[str, Any]:
+        engine, hub = self.engine.stats(), self.hub.stats()
+        return {
+            "model": self.model_name,
+            "open_streams": hub["open_streams"],
+            "waiting": engine["waiting"],
+            "running": engine["running"],
+            "paused": engine["paused"],
+            "free_blocks": engine["free_blocks"],
+            "held_blocks": engine["reserved_blocks"],
+            "total_blocks": engine["total_blocks"],
+            "releases": engine["releases"],
+            "late_events": hub["late_events"],
+            "finishes": engine["finished"],
+            "stream_ends": hub["ends"],
+            "errors": hub["errors"],
+            "draining": hub["draining"],
+            "resumable_logs": len(self.resume),
+            "engine": engine,
+            "hub": hub,
+        }

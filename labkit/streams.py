@@ -1,0 +1,138 @@
+"""One stream's side of the hub: its queue, its flags, and the timestamps experiments read.
+
+Everything here is touched only on the event loop's thread. The step thread reaches a stream
+only through ``loop.call_soon_threadsafe``, which is why no lock appears in this file.
+
+All times are ``time.perf_counter()`` values, the engine's clock; on Linux it is the system-wide
+monotonic clock, so a client in another process on the same machine can compare against it.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Union
+
+from labkit.engine.events import FinishEvent, TokenEvent
+
+
+@dataclass(frozen=True)
+class StreamError:
+    """A terminal item the hub puts in a stream's queue instead of the engine's finish."""
+
+    type: str
+    message: str
+
+
+Item = Union[TokenEvent, FinishEvent, StreamError]
+
+
+class StreamClosed(Exception):
+    """The stream was closed while (or before) its reader waited: there is nothing more."""
+
+
+@dataclass
+class StreamRecord:
+    """What happened to one stream, kept after it closes so experiments can read it."""
+
+    rid: str
+    prompt_tokens: int | None
+    max_new_tokens: int
+    submitted: float
+    first_token_sampled: float | None = None  # the engine sampled token 0
+    first_token_queued: float | None = None  # token 0 reached the stream's queue (loop thread)
+    first_token_taken: float | None = None  # the writer took token 0 off the queue
+    last_token_taken: float | None = None
+    closed: float | None = None  # hub.close() ran
+    released: float | None = None  # FinishEvent.time: the engine gave the blocks back
+    finish_reason: str | None = None  # the engine's reason (length, eos, stop, cancelled)
+    end: str | None = None  # what ended the client's stream (see Hub.close)
+    tokens_generated: int = 0
+    tokens_delivered: int = 0  # taken by the writer (what a client that reads everything gets)
+    tokens_at_close: int | None = None  # generated when close() ran: the rest was wasted work
+    steps_at_close: int | None = None  # engine steps started when close() ran
+    release_step: int | None = None  # the step whose events carried the release
+    max_queue: int = 0
+    pauses: int = 0
+
+    def note_event(self, event: TokenEvent | FinishEvent, step: int) -> None:
+        """Book an engine event made by step number ``step``, whether or not the stream is
+        still open to receive it."""
+        if isinstance(event, TokenEvent):
+            self.tokens_generated += 1
+            if event.index == 0:
+                self.first_token_sampled = event.time
+        else:
+            self.released = event.time
+            self.release_step = step
+            self.finish_reason = event.reason
+            self.prompt_tokens = event.usage.prompt_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Stream:
+    """A per-stream FIFO between the step thread's deliveries and one writer coroutine.
+
+    ``ended`` means a terminal item (finish or error) is queued and nothing more will be
+    accepted; ``closed`` means ``Hub.close`` ran. ``on_take`` lets the hub apply its policy each
+    time the writer takes an item.
+    """
+
+    def __init__(self, record: StreamRecord, on_take: Callable[[Stream, Item], None]) -> None:
+        self.rid = record.rid
+        self.record = record
+        self._on_take = on_take
+        self._items: deque[Item] = deque()
+        self._ready = asyncio.Event()
+        self.closed = False
+        self.ended = False
+        self.finished = False  # the engine has released this request
+        self.paused = False
+        self.taken_terminal: str | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.ack: threading.Event | None = None  # naive policy: the step thread waits on it
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item: Item, now: float) -> None:
+        self._items.append(item)
+        if isinstance(item, TokenEvent) and item.index == 0:
+            self.record.first_token_queued = now
+        self.record.max_queue = max(self.record.max_queue, len(self._items))
+        self._ready.set()
+
+    async def get(self, timeout: float | None = None) -> Item | None:
+        """The next item; ``None`` if ``timeout`` passes first; StreamClosed once closed and empty."""
+        while not self._items:
+            if self.closed:
+                raise StreamClosed(self.rid)
+            self._ready.clear()
+            if timeout is None:
+                await self._ready.wait()
+                continue
+            try:
+                await asyncio.wait_for(self._ready.wait(), timeout)
+            except asyncio.TimeoutError:
+                return None
+        item = self._items.popleft()
+        self._on_take(self, item)
+        return item
+
+    def wake(self) -> None:
+        self._ready.set()
+
+    def release_waiters(self) -> None:
+        """Let a blocked step thread go (naive policy) and stop any policy timer."""
+        if self.ack is not None:
+            self.ack.set()
+            self.ack = None
+        self.cancel_timer()
+
+    def cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
