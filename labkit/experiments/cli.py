@@ -1,0 +1,98 @@
+"""``labkit run <name>|all``: run experiments, write their tables, results file and figures.
+
+The lead's ``labkit/cli.py`` calls :func:`add_run_arguments` and :func:`run_from_args`; everything
+else here is also usable from Python as :func:`run_experiment`.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from labkit.experiments import EXPERIMENTS, load, names
+from labkit.experiments.common import PROFILES, Profile, get_profile, save_run
+
+__all__ = ["add_run_arguments", "run_from_args", "run_experiment", "Outcome"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one experiment run produced and where it went."""
+
+    name: str
+    tables: dict[str, pd.DataFrame]
+    csvs: list[Path]
+    figures: list[Path]
+    results: Path
+    elapsed_s: float
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=[*EXPERIMENTS, "all"], help="an experiment, or all of them")
+    parser.add_argument("--profile", choices=PROFILES, default=None,
+                        help="ci: tiny model, few repetitions; full: SmolLM2, the chapter's sizes "
+                             "(default: $LABKIT_PROFILE, else ci)")
+    parser.add_argument("--model", default=None, help="serve this model instead of the profile's")
+    parser.add_argument("--no-figures", action="store_true", help="write tables only")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")  # the command line draws to files only
+    profile = get_profile(args.profile, args.model)
+    chosen = names() if args.name == "all" else [args.name]
+    print(f"profile {profile.name}, model {profile.model}; writing under {profile.out_root}")
+    for name in chosen:
+        outcome = run_experiment(name, profile, figures=not args.no_figures, show_progress=True)
+        _report(outcome, profile)
+    return 0
+
+
+def run_experiment(name: str, profile: Profile | None = None, *, figures: bool = True,
+                   show_progress: bool = False, **overrides: Any) -> Outcome:
+    """Run experiment ``name`` under ``profile`` (``overrides`` replace config fields) and save it."""
+    profile = profile or get_profile()
+    module = load(name)
+    config = module.Config.for_profile(profile)
+    if overrides:
+        config = replace(config, **overrides)
+    started = time.perf_counter()
+    with _progress_bar(name, module, config, show_progress) as bar:
+        tables = module.run(config, progress=bar)
+    elapsed = time.perf_counter() - started
+    written = save_run(module, config, profile, tables, elapsed, figures=None if figures else [])
+    _close_figures()
+    return Outcome(name, tables, written["csvs"], written["figures"], written["results"], elapsed)
+
+
+def _progress_bar(name: str, module: Any, config: Any, show: bool):
+    from tqdm.auto import tqdm
+
+    total = module.units(config) if hasattr(module, "units") else None
+    return tqdm(total=total, desc=name, unit="step", disable=not show, leave=True)
+
+
+def _close_figures() -> None:
+    """The command line draws to files only; free what it drew."""
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+def _report(outcome: Outcome, profile: Profile) -> None:
+    root = profile.out_root.resolve()
+
+    def rel(path: Path) -> str:
+        path = Path(path).resolve()
+        return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+
+    print(f"{outcome.name}: {outcome.elapsed_s:.1f} s; tables {', '.join(rel(p) for p in outcome.csvs)}")
+    if outcome.figures:
+        print(f"  figures {', '.join(rel(p) for p in outcome.figures)}")
+    print(f"  results {rel(outcome.results)}")

@@ -1,0 +1,253 @@
+"""What every experiment shares: profiles, where results go, and what a results file records.
+
+Two profiles. ``ci`` runs the tiny random GPT-2 with few repetitions, so the whole set finishes
+in a few minutes and tests and notebooks can run it on every change. ``full`` runs the embedded
+SmolLM2-135M at the chapter's sizes; its outputs are what the notebooks are committed with.
+``LABKIT_PROFILE`` picks the profile wherever no one passes one.
+
+Where results go: a ``full`` run writes ``data/<experiment>/*.csv``, ``data/<experiment>/
+results.json`` and ``figures/*.png`` at the repository root. A ``ci`` run writes the same tree
+under ``build/ci/`` (git-ignored), so a test run never overwrites the committed full results.
+``LABKIT_OUT`` moves the root for either.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+from dataclasses import asdict, dataclass, is_dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import pandas as pd
+
+__all__ = [
+    "PROFILES", "Profile", "get_profile", "repo_root", "environment", "write_tables", "write_results",
+    "serving", "Progress", "tick", "setup_notebook", "save_run",
+]
+
+PROFILES = ("ci", "full")
+_DEFAULT_MODEL = {"ci": "tiny-gpt2", "full": "smollm2-135m"}
+_PACKAGES = ("labkit", "torch", "transformers", "fastapi", "starlette", "uvicorn", "httpx", "numpy",
+             "pandas", "matplotlib")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A profile's name and the model it serves; experiments size themselves from ``full``."""
+
+    name: str = "ci"
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        if self.name not in PROFILES:
+            raise ValueError(f"Profile.name must be one of {PROFILES}, got {self.name!r}")
+        if not self.model:
+            object.__setattr__(self, "model", _DEFAULT_MODEL[self.name])
+
+    @property
+    def full(self) -> bool:
+        return self.name == "full"
+
+    @property
+    def out_root(self) -> Path:
+        override = os.environ.get("LABKIT_OUT")
+        if override:
+            return Path(override)
+        return repo_root() if self.full else repo_root() / "build" / "ci"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.out_root / "data"
+
+    @property
+    def figures_dir(self) -> Path:
+        return self.out_root / "figures"
+
+
+def get_profile(name: str | None = None, model: str | None = None) -> Profile:
+    """``name`` or else ``LABKIT_PROFILE`` or else ``ci``; ``model`` overrides the profile's model."""
+    chosen = name or os.environ.get("LABKIT_PROFILE") or "ci"
+    return Profile(chosen, model or "")
+
+
+def repo_root() -> Path:
+    """The checkout holding this package (its ``pyproject.toml``), else the working directory."""
+    here = Path(__file__).resolve().parents[2]
+    return here if (here / "pyproject.toml").exists() else Path.cwd()
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def environment(profile: Profile) -> dict[str, Any]:
+    """What a reader needs to judge a number: versions, CPU, threads, model, profile, date, commit."""
+    import torch
+
+    return {
+        "profile": profile.name,
+        "model": profile.model,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git_commit(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "packages": {name: _version(name) for name in _PACKAGES},
+    }
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        if name == "labkit":  # run from a checkout that was never pip-installed
+            import labkit
+
+            return labkit.__version__
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git_commit() -> str | None:
+    """HEAD of the checkout, or None (no git, no commit yet). Read-only: ``git rev-parse``."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo_root(), capture_output=True,
+                             text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def write_tables(name: str, tables: dict[str, pd.DataFrame], profile: Profile) -> list[Path]:
+    """One CSV per table in ``<data>/<name>/``; returns the paths written."""
+    folder = profile.data_dir / name
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for table_name, table in tables.items():
+        path = folder / f"{table_name}.csv"
+        table.to_csv(path, index=False)
+        paths.append(path)
+    return paths
+
+
+def write_results(name: str, profile: Profile, *, config: Any, elapsed_s: float,
+                  tables: dict[str, pd.DataFrame], figures: list[Path] = (),  # type: ignore[assignment]
+                  summary: dict[str, Any] | None = None) -> Path:
+    """``<data>/<name>/results.json``: the environment, the config, the headline numbers, the files."""
+    folder = profile.data_dir / name
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {
+        "experiment": name,
+        "environment": environment(profile),
+        "config": asdict(config) if is_dataclass(config) else config,
+        "elapsed_s": round(elapsed_s, 3),
+        "summary": summary or {},
+        "tables": {t: {"rows": len(df), "columns": list(map(str, df.columns))} for t, df in tables.items()},
+        "figures": [_relative(p, profile.out_root) for p in figures],
+    }
+    path = folder / "results.json"
+    path.write_text(json.dumps(record, indent=2, default=_jsonable) + "\n")
+    return path
+
+
+def _relative(path: Path, root: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _jsonable(value: Any) -> Any:
+    """numpy scalars, paths and tuples in configs and summaries, written as plain JSON."""
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+def save_run(module: Any, config: Any, profile: Profile, tables: dict[str, pd.DataFrame], elapsed_s: float,
+             figures: list[Any] | None = None) -> dict[str, Any]:
+    """Write one run of an experiment module: its CSVs, its figures and its ``results.json``.
+
+    ``figures`` are the ones ``module.plot`` already drew (a notebook shows them first); None
+    draws them here. Returns the paths written, under ``csvs``, ``figures`` and ``results``.
+    """
+    from labkit.plots import savefig
+
+    csvs = write_tables(module.NAME, tables, profile)
+    drawn = module.plot(tables) if figures is None else figures
+    pngs = [savefig(fig, folder=profile.figures_dir) for fig in drawn]
+    summary = module.summary(tables) if hasattr(module, "summary") else {}
+    results = write_results(module.NAME, profile, config=config, elapsed_s=elapsed_s, tables=tables,
+                            figures=pngs, summary=summary)
+    return {"csvs": csvs, "figures": pngs, "results": results}
+
+
+# --------------------------------------------------------------------------- running
+
+
+class Progress(Protocol):
+    """What an experiment reports progress to: a tqdm bar, or nothing."""
+
+    def update(self, n: int = 1) -> Any: ...
+
+
+def tick(progress: Progress | None, n: int = 1) -> None:
+    """Advance ``progress`` if there is one: experiments call this after each unit of work."""
+    if progress is not None:
+        progress.update(n)
+
+
+@contextlib.contextmanager
+def serving(server: Any = None, **options: Any) -> Iterator[Any]:
+    """``server`` if one was given (left running), else a fresh ``serve_in_thread(**options)``.
+
+    Why: notebooks start the server themselves and pass it in; the CLI and tests let the
+    experiment start its own. Either way, whoever started it stops it.
+    """
+    if server is not None:
+        yield server
+        return
+    from labkit.server import serve_in_thread
+
+    with serve_in_thread(**options) as started:
+        yield started
+
+
+def setup_notebook(profile: str | None = None) -> Profile:
+    """The one setup cell: profile from ``LABKIT_PROFILE``, threads, plot and table defaults."""
+    import logging
+
+    import torch
+
+    from labkit.plots import apply_style
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    apply_style()
+    pd.set_option("display.width", 140)
+    pd.set_option("display.max_columns", 30)
+    pd.set_option("display.precision", 3)
+    logging.getLogger("uvicorn").setLevel(logging.WARNING)
+    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+    chosen = get_profile(profile)
+    print(f"profile: {chosen.name}, model: {chosen.model}")
+    return chosen

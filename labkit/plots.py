@@ -1,0 +1,67 @@
+"""One plot style for every figure, and one way to save a figure.
+
+Every figure the lab publishes goes through :func:`savefig`, so one command regenerates all of
+them and a figure's file name always says which experiment drew it. A figure's name is its
+matplotlib label (``fig.set_label("overlap_throughput")``), set by the experiment's ``plot``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.figure import Figure
+
+__all__ = ["apply_style", "new_figure", "savefig", "save_all"]
+
+STYLE = {
+    "figure.figsize": (6.4, 3.8),
+    "figure.dpi": 100,
+    "savefig.dpi": 130,
+    "savefig.bbox": "tight",
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.titlesize": 11,
+    "axes.labelsize": 10,
+    "legend.fontsize": 9,
+    "legend.frameon": False,
+}
+
+
+def apply_style() -> None:
+    """Set the lab's rcParams (matplotlib itself falls back to Agg where there is no display)."""
+    import matplotlib
+
+    matplotlib.rcParams.update(STYLE)
+
+
+def new_figure(name: str, ncols: int = 1, width: float | None = None) -> tuple[Figure, list]:
+    """A figure labelled ``name`` (its file name) with ``ncols`` axes side by side."""
+    import matplotlib.pyplot as plt
+
+    apply_style()
+    w = width or 6.4 * (1 if ncols == 1 else 0.75 * ncols)
+    fig, axes = plt.subplots(1, ncols, figsize=(w, 3.8), squeeze=False)
+    fig.set_label(name)
+    return fig, list(axes[0])
+
+
+def savefig(fig: Figure, name: str | None = None, folder: Path | None = None) -> Path:
+    """Write ``fig`` as ``<folder>/<name>.png`` (folder: the current profile's ``figures/``)."""
+    if folder is None:
+        from labkit.experiments.common import get_profile
+
+        folder = get_profile().figures_dir
+    stem = name or fig.get_label()
+    if not stem:
+        raise ValueError("a figure needs a name: pass one or set it with fig.set_label(...)")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{stem}.png"
+    fig.savefig(path)
+    return path
+
+
+def save_all(figures: Iterable[Figure], folder: Path | None = None) -> list[Path]:
+    return [savefig(fig, folder=folder) for fig in figures]
