@@ -86,3 +86,21 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/healthz", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+
+def test_sndbuf_bounds_what_a_client_that_never_reads_can_absorb(tiny_gpt2) -> None:
+    """Without the cap Linux grows the send buffer to megabytes; with it the write blocks early."""
+    from labkit.experiments.buffers import Config, flood_once
+    from labkit.experiments.client import run_sync
+
+    with lab_server(tiny_gpt2, sndbuf=65536) as server:
+        record = run_sync(flood_once(server.url, 16384, Config(flood_bytes=8 * 2**20, timeout=20.0)))
+    assert record["blocked"], record
+    assert record["bytes_accepted"] < 2**20, record
+
+
+@pytest.mark.parametrize("value", [0, 1024, -1])
+def test_sndbuf_below_one_page_is_refused(value: int) -> None:
+    with pytest.raises(ValueError, match="sndbuf"):
+        ServiceConfig(sndbuf=value)
