@@ -63,7 +63,8 @@ def plan_decode(positions: Sequence[int], block_tables: Sequence[Sequence[int]],
     if not invariant:
         widths = [max(widths)] * len(widths)
     order = sorted(range(len(widths)), key=lambda row: widths[row])
-    slots = [block_tables[row][positions[row] // block_size] * block_size + positions[row] % block_size for row in order]
+    slots = [block_tables[row][positions[row] // block_size] * block_size + positions[row] % block_size
+             for row in order]
     groups = []
     for start, stop in _runs([widths[row] for row in order]):
         rows = order[start:stop]
@@ -123,7 +124,10 @@ def _attend_group(q: Tensor, k_cache: Tensor, v_cache: Tensor, g: Group) -> Tens
     values = v_cache.index_select(1, g.blocks).view(batch, g.width, dim)
     queries = q.reshape(rows, kv_heads, heads // kv_heads, dim).transpose(0, 1).reshape(batch, -1, dim)
     scores = torch.baddbmm(g.bias, queries, keys.transpose(1, 2), alpha=dim ** -0.5)
-    probs = torch.softmax(scores, dim=-1) if q.dtype == torch.float32 else torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if q.dtype == torch.float32:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # softmax in float32, as transformers does for half precision
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     out = torch.bmm(probs, values).view(kv_heads, rows, -1, dim).transpose(0, 1)
     return out.reshape(rows, heads * dim)
 

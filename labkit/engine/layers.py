@@ -5,8 +5,8 @@ Two facts about CPU kernels shape this file (both measured on the lab machine):
 * A matmul's rounding depends on how many rows it has: one row takes a different kernel from
   two, and a 1536x576 weight gives different bits for 17+ rows than for 2-16. ``linear`` with
   ``tile_rows`` therefore always multiplies row tiles of exactly that many rows (one batched
-  matmul over the tiles, the last one zero-padded), so each row meets the same kernel whatever
-  the batch size.
+  matmul over the tiles; the runner pads the batch with filler rows to whole tiles), so each
+  row meets the same kernel whatever the batch size.
 * Fused elementwise kernels (``F.silu``, ``F.gelu``, ``torch.sigmoid``) compute the ragged end
   of a tensor with a scalar routine that rounds differently from the vector one, so whether a
   row lands in that end depends on the batch size. ``exp``, ``tanh``, ``sqrt``, ``+ - * /``
@@ -24,7 +24,7 @@ from torch import Tensor
 #: A tiled weight larger than this is multiplied in column chunks of about this size, so each
 #: chunk is read from memory once and stays in cache while every row tile passes over it
 #: (the lm head is the one such weight in practice).
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 2 << 20
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, tile_rows: int | None) -> Tensor:

