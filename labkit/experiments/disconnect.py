@@ -1,0 +1,280 @@
+"""Experiment 6, ``disconnect``: how soon does the engine let go of a client that has left?
+
+A client leaves by FIN (an orderly close) or by RST (an abortive one) at five moments: while its
+request waits for a slot (the batch, limited to 4, is full of other streams), right after the
+response's headers (before the first token), early (after 2 tokens), mid-stream and near the end.
+Each is repeated (6 times in ``full``) against two servers that differ in one thing only: the
+response class. Starlette's ``StreamingResponse`` listens for the disconnect and cancels the body;
+the write-only class never listens, as Starlette's own does on servers that speak ASGI 2.4.
+
+Measured, per trial: the time from the client's close (its clock) to the release of the stream's
+blocks (the engine's finish event), both ``time.perf_counter()`` in this process; the time the
+hub's ``close()`` ran; and tokens generated that nobody read (the server's count minus the
+client's). Trials run a few at once (two repetitions, FIN and RST): each is timed on its own
+stream's timestamps, and four streams is exactly the batch limit.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from labkit.experiments.client import run_sync
+from labkit.experiments.common import Profile, Progress, tick
+from labkit.experiments.harness import (
+    beside, bodies, loaded_model, long_prompts, read_stream, server_checks, server_like, span, wait_released)
+from labkit.experiments.rawhttp import raw_stream
+from labkit.experiments.records import StreamResult
+
+NAME = "disconnect"
+MOMENTS = ("waiting", "before_first", "early", "mid", "near_end")
+CLASSES = ("starlette", "write_only")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str = "smollm2-135m"
+    repetitions: int = 6
+    at_once: int = 2  # repetitions run together (each with FIN and RST): 4 streams, the batch limit
+    max_batch: int = 4
+    max_new_tokens: int = 48  # the chapter's 200 would make each write-only trial four times longer
+    early_tokens: int = 2
+    end_margin: int = 4  # "near the end" leaves this many tokens before max_new_tokens
+    blocker_tokens: int = 16  # the streams that fill the batch for the "waiting" moment
+    moments: tuple[str, ...] = MOMENTS
+    leave_by: tuple[str, ...] = ("fin", "rst")
+    response_classes: tuple[str, ...] = CLASSES
+    drain_after_fin_s: float = 0.5
+    timeout: float = 120.0
+
+    @classmethod
+    def for_profile(cls, profile: Profile) -> Config:
+        if profile.full:
+            return cls(model=profile.model)
+        return cls(model=profile.model, repetitions=2, max_new_tokens=24, blocker_tokens=12)
+
+    def __post_init__(self) -> None:
+        if set(self.moments) - set(MOMENTS) or set(self.response_classes) - set(CLASSES):
+            raise ValueError(f"disconnect.Config: moments from {MOMENTS} and classes from {CLASSES}, "
+                             f"got {self.moments!r}, {self.response_classes!r}")
+        if not 0 < self.early_tokens < self.max_new_tokens // 2 < self.max_new_tokens - self.end_margin:
+            raise ValueError(f"disconnect.Config: need 0 < early_tokens < max_new_tokens/2 < max_new_tokens - "
+                             f"end_margin, got {self.early_tokens}, {self.max_new_tokens}, {self.end_margin}")
+        if self.repetitions < 1 or self.at_once < 1:
+            raise ValueError("disconnect.Config.repetitions and at_once must be >= 1")
+
+
+def server_options(config: Config) -> dict[str, Any]:
+    return {"model": config.model, **_settings(config, config.response_classes[0])}
+
+
+def _settings(config: Config, response_class: str) -> dict[str, Any]:
+    return {"max_batch": config.max_batch, "response_class": response_class, "policy": "unbounded"}
+
+
+def units(config: Config) -> int:
+    return len(config.response_classes) * len(config.moments) * -(-config.repetitions // config.at_once)
+
+
+def leave_after(config: Config, moment: str) -> int:
+    """Tokens a client reads before it leaves (0: as soon as the headers are in)."""
+    return {"waiting": 0, "before_first": 0, "early": config.early_tokens, "mid": config.max_new_tokens // 2,
+            "near_end": config.max_new_tokens - config.end_margin}[moment]
+
+
+def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
+    model = loaded_model(server, config.model)
+    prompts = long_prompts(model, config.max_new_tokens)
+    rows, checks = [], []
+    for kind in config.response_classes:
+        with server_like(server, model, **_settings(config, kind)) as srv:
+            before = books(srv)
+            for moment in config.moments:
+                for first in range(0, config.repetitions, config.at_once):
+                    reps = range(first, min(first + config.at_once, config.repetitions))
+                    rows += run_sync(trial_group(srv, config, prompts, kind, moment, list(reps)))
+                    tick(progress)
+            checks.append({"response_class": kind, **release_books(srv, before), **server_checks(srv)})
+    trials = pd.DataFrame(rows)
+    return {"trials": trials, "by_moment": by_moment(trials), "checks": pd.DataFrame(checks)}
+
+
+# --------------------------------------------------------------------------- one group of trials
+
+
+async def trial_group(srv: Any, config: Config, prompts: list[int], kind: str, moment: str,
+                      reps: list[int]) -> list[dict[str, Any]]:
+    """FIN and RST clients for each repetition in ``reps``, at once; a row per client."""
+    plan = [(rep, how) for rep in reps for how in config.leave_by]
+    blockers = await _fill_batch(srv, config, prompts) if moment == "waiting" else []
+    requests = bodies(prompts[len(blockers):] or prompts, len(plan), config.max_new_tokens)
+    clients = [raw_stream(srv.url, body, leave_after_tokens=leave_after(config, moment), leave_by=how,
+                          drain_after_fin_s=config.drain_after_fin_s, timeout=config.timeout)
+               for body, (_, how) in zip(requests, plan)]
+    results = await asyncio.gather(*clients)
+    records = await wait_released(srv.hub, [r.request_id for r in results], timeout=config.timeout)
+    await asyncio.gather(*blockers)
+    return [trial_row(kind, moment, rep, how, r, rec) for (rep, how), r, rec in zip(plan, results, records)]
+
+
+async def _fill_batch(srv: Any, config: Config, prompts: list[int]) -> list[asyncio.Future]:
+    """Start ``max_batch`` streams that read at once, and return when all of them are running."""
+    requests = bodies(prompts, config.max_batch, config.blocker_tokens)
+    tasks = [asyncio.ensure_future(read_stream(srv.url, body, leave_after_s=config.timeout)) for body in requests]
+    deadline = time.perf_counter() + config.timeout
+    while srv.engine.stats()["running"] < config.max_batch and time.perf_counter() < deadline:
+        if all(t.done() for t in tasks):
+            break
+        await asyncio.sleep(0.002)
+    return tasks
+
+
+def trial_row(kind: str, moment: str, rep: int, how: str, r: StreamResult, rec: Any) -> dict[str, Any]:
+    """The client's view and the server's record of one stream, times in ms from the client's close."""
+    left = r.left_at
+    sampled = getattr(rec, "first_token_sampled", None)
+    generated = getattr(rec, "tokens_generated", 0)
+
+    def since_left(t: float | None) -> float:
+        return np.nan if t is None or left is None else 1000 * (t - left)
+
+    return {"response_class": kind, "moment": moment, "repetition": rep, "leave_by": how,
+            "tokens_read": len(r.tokens), "tokens_generated": generated, "tokens_unread": generated - len(r.tokens),
+            "admitted_before_leave": sampled is not None and left is not None and sampled <= left,
+            "ever_admitted": sampled is not None, "close_to_release_ms": since_left(getattr(rec, "released", None)),
+            "close_to_hub_close_ms": since_left(getattr(rec, "closed", None)),
+            "engine_finish": getattr(rec, "finish_reason", None), "left": r.left is not None,
+            "error": r.error}
+
+
+# --------------------------------------------------------------------------- books and tables
+
+
+def books(srv: Any) -> dict[str, Any]:
+    """The server's counters now, to subtract from later ones (a notebook's server may be reused)."""
+    hub = srv.hub.stats()
+    return {"stats": srv.engine.stats(), "records": len(srv.hub.records()), "late_events": hub["late_events"],
+            "errors": hub["errors"]}
+
+
+def release_books(srv: Any, before: dict[str, Any]) -> dict[str, Any]:
+    """Since ``before``: streams submitted, finished, admitted, and blocks released.
+
+    Exactly-once means finished == submitted (every stream ended once) and releases == admitted
+    (a stream cancelled while it waited never held a block, so it has nothing to release).
+    """
+    after, records = srv.engine.stats(), srv.hub.records()[before["records"]:]
+    finished = sum(after["finished"].values()) - sum(before["stats"]["finished"].values())
+    return {"submitted": len(records), "finished": finished,
+            "admitted": sum(1 for r in records if r.first_token_sampled is not None),
+            "releases": after["releases"] - before["stats"]["releases"],
+            "late_events": srv.hub.stats()["late_events"] - before["late_events"],
+            "hub_errors": srv.hub.stats()["errors"] - before["errors"]}
+
+
+def by_moment(trials: pd.DataFrame) -> pd.DataFrame:
+    """Per response class, moment and way of leaving: close-to-release and unread tokens."""
+    grouped = trials.groupby(["response_class", "moment", "leave_by"], sort=False)
+    return grouped.agg(trials=("tokens_read", "size"), tokens_read_max=("tokens_read", "max"),
+                       release_ms_median=("close_to_release_ms", "median"),
+                       release_ms_max=("close_to_release_ms", "max"),
+                       unread_median=("tokens_unread", "median"), unread_max=("tokens_unread", "max"),
+                       admitted_before_leave=("admitted_before_leave", "sum"),
+                       ever_admitted=("ever_admitted", "sum")).reset_index()
+
+
+def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
+    trials = tables["trials"]
+    out: dict[str, Any] = {}
+    for kind, group in trials.groupby("response_class"):
+        out[kind] = {"release_ms_max": float(group.close_to_release_ms.max()),
+                     "release_ms_median": float(group.close_to_release_ms.median()),
+                     "unread_max": int(group.tokens_unread.max()),
+                     "waiting_ever_admitted": int(group[group.moment == "waiting"].ever_admitted.sum())}
+    return out
+
+
+def beside_chapter(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    trials = tables["trials"]
+    listen, write = trials[trials.response_class == "starlette"], trials[trials.response_class == "write_only"]
+    abandoned = write[write.moment != "waiting"]
+    fin_rst = listen.groupby("leave_by").close_to_release_ms.median()
+    return beside([
+        ("Starlette's class: largest close-to-release", "34.5", span([listen.close_to_release_ms.max()], "{:.1f}"), "ms"),
+        ("Starlette's class: tokens generated that nobody read", "at most 1", span(listen.tokens_unread, "{:.0f}"), "tokens"),
+        ("Starlette's class: waiting streams ever admitted", "none",
+         f"{int(listen[listen.moment == 'waiting'].ever_admitted.sum())} of {int((listen.moment == 'waiting').sum())}",
+         "streams"),
+        ("Starlette's class: median release, FIN / RST", "no consistent difference",
+         " / ".join(f"{fin_rst.get(k, float('nan')):.1f}" for k in ("fin", "rst")), "ms"),
+        ("write-only: abandoned sequences run to their limit", "48 of 48 (limit 200)",
+         f"{int((write.engine_finish == 'length').sum())} of {len(write)} (limit {int(write.tokens_generated.max())})",
+         "streams"),
+        ("write-only: tokens the clients had read", "0–20", span(abandoned.tokens_read, "{:.0f}"), "tokens"),
+    ])
+
+
+def findings(tables: dict[str, pd.DataFrame]) -> str:
+    """A few plain sentences from this run's numbers."""
+    trials = tables["trials"]
+    said = []
+    listen = trials[trials.response_class == "starlette"]
+    if len(listen):
+        waiting = listen[listen.moment == "waiting"]
+        said.append(f"With Starlette's class the engine released a departed client's stream a median of "
+                    f"{listen.close_to_release_ms.median():.0f} ms after the close (largest "
+                    f"{listen.close_to_release_ms.max():.0f} ms), with at most {int(listen.tokens_unread.max())} "
+                    f"token(s) generated that nobody read; {int(waiting.ever_admitted.sum())} of {len(waiting)} "
+                    f"requests left while waiting were ever admitted.")
+    write = trials[trials.response_class == "write_only"]
+    if len(write):
+        said.append(f"With the write-only class {int((write.engine_finish == 'length').sum())} of {len(write)} "
+                    f"abandoned streams ran to their limit of {int(write.tokens_generated.max())} tokens, released a "
+                    f"median of {write.close_to_release_ms.median() / 1000:.1f} s after their clients had gone.")
+    return " ".join(said)
+
+
+def report(tables: dict[str, pd.DataFrame]) -> str:
+    """Stable lines for a checked cell: the invariants, not the timings."""
+    lines = []
+    for _, row in tables["checks"].iterrows():
+        whole = "cache whole" if row.cache_whole else "CACHE NOT WHOLE"
+        once = "each stream finished once" if row.finished == row.submitted else "FINISHES != STREAMS"
+        released = "one release per admitted stream" if row.releases == row.admitted else "RELEASES != ADMITTED"
+        lines.append(f"{row.response_class}: {whole}; {once}; {released}; {row.open_streams} streams open, "
+                     f"{row.running} running, {row.waiting} waiting")
+    return "\n".join(lines)
+
+
+def plot(tables: dict[str, pd.DataFrame]) -> list:
+    return [_plot_release(tables["trials"]), _plot_unread(tables["trials"])]
+
+
+def _plot_release(trials: pd.DataFrame):
+    from labkit.plots import new_figure
+
+    fig, axes = new_figure("disconnect_release", ncols=2)
+    for ax, (kind, group) in zip(axes, trials.groupby("response_class", sort=False)):
+        for offset, (how, part) in zip((-0.12, 0.12), group.groupby("leave_by", sort=False)):
+            xs = [MOMENTS.index(m) + offset for m in part.moment]
+            ax.scatter(xs, part.close_to_release_ms.clip(lower=0.1), s=14, label=how.upper())
+        ax.set(yscale="log", xticks=range(len(MOMENTS)), title=kind.replace("_", "-"),
+               ylabel="ms from the client's close to the release")
+        ax.set_xticklabels([m.replace("_", " ") for m in MOMENTS], rotation=20)
+        ax.legend()
+    return fig
+
+
+def _plot_unread(trials: pd.DataFrame):
+    from labkit.plots import new_figure
+
+    fig, (ax,) = new_figure("disconnect_unread")
+    table = trials.groupby(["moment", "response_class"]).tokens_unread.mean().unstack().reindex(MOMENTS)
+    table.plot.bar(ax=ax, rot=20)
+    ax.set(xlabel="", ylabel="tokens generated that nobody read (mean)",
+           title="Work done for a client that had gone")
+    return fig
