@@ -40,6 +40,7 @@ EXPERIMENTS: dict[str, str] = {
     "slowclient": "labkit.experiments.slowclient",
     "disconnect": "labkit.experiments.disconnect",
     "leak": "labkit.experiments.leak",
+    "extensions": "labkit.experiments.extensions",
 }
 
 
