@@ -65,3 +65,16 @@ def savefig(fig: Figure, name: str | None = None, folder: Path | None = None) ->
 
 def save_all(figures: Iterable[Figure], folder: Path | None = None) -> list[Path]:
     return [savefig(fig, folder=folder) for fig in figures]
+
+
+def first_token_cdf(delivery, name: str, title: str) -> Figure:
+    """Time to first token per stream, sorted, one line per delivery mode (``mode``, ``ttft_s`` columns)."""
+    import numpy as np
+
+    fig, (ax,) = new_figure(name)
+    for mode, group in delivery.groupby("mode"):
+        values = np.sort(1000 * group.ttft_s.dropna().to_numpy())
+        ax.plot(np.arange(1, len(values) + 1) / len(values), values, label=f"delivered at {mode.replace('_', ' ')}")
+    ax.set(xlabel="fraction of streams", ylabel="ms to first token", title=title)
+    ax.legend()
+    return fig

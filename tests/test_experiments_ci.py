@@ -14,6 +14,7 @@ import pytest
 
 from labkit.experiments import buffers, isolation, names, overlap, wire
 from labkit.experiments.common import Profile
+from experiment_helpers import assert_columns, assert_figures_are_labelled
 
 matplotlib.use("Agg")
 slow = pytest.mark.slow
@@ -26,20 +27,6 @@ def server(tiny_gpt2):
     with serve_in_thread(tiny_gpt2, max_batch=8) as srv:
         yield srv
     srv.engine.check_integrity()
-
-
-def _columns(table: pd.DataFrame, *names: str) -> None:
-    missing = set(names) - set(table.columns)
-    assert not missing, f"missing columns {sorted(missing)}"
-
-
-def _figures_are_labelled(module, tables) -> None:
-    import matplotlib.pyplot as plt
-
-    figures = module.plot(tables)
-    assert figures and all(f.get_label().startswith(module.NAME) for f in figures)
-    for fig in figures:
-        plt.close(fig)
 
 
 def test_every_profile_builds_a_valid_config():
@@ -57,12 +44,12 @@ def test_registry_lists_these_four_first():
 def test_wire_every_stream_passes_every_check(server):
     tables = wire.run(wire.Config(model="tiny-gpt2", prompts=4, max_new_tokens=8, concurrency=2), server=server)
     streams, checks = tables["streams"], tables["checks"]
-    _columns(streams, *(col for col, _ in wire.CHECKS), "bytes_per_token", "empty_deltas", "ttft_s")
+    assert_columns(streams, *(col for col, _ in wire.CHECKS), "bytes_per_token", "empty_deltas", "ttft_s")
     assert len(streams) == 4 and (streams.tokens == 8).all()
     assert (checks.passed[: len(wire.CHECKS)] == 4).all(), checks
     assert set(tables["events"].event) == {"start", "token", "done"}
     assert "FAILED" not in wire.report(tables)
-    _figures_are_labelled(wire, tables)
+    assert_figures_are_labelled(wire, tables)
 
 
 @slow
@@ -70,10 +57,10 @@ def test_isolation_concurrent_streams_equal_their_solo_runs(server):
     config = isolation.Config(model="tiny-gpt2", levels=(1, 2, 4), repetitions=1, max_new_tokens=8)
     tables = isolation.run(config, server=server)
     streams = tables["streams"]
-    _columns(streams, "level", "identical", "first_diff", "margin", "top2_margin")
+    assert_columns(streams, "level", "identical", "first_diff", "margin", "top2_margin")
     assert len(streams) == 1 + 2 + 4 and streams.identical.all()
     assert tables["levels"].identical.tolist() == [1, 2, 4]
-    _figures_are_labelled(isolation, tables)
+    assert_figures_are_labelled(isolation, tables)
 
 
 def test_isolation_margin_is_measured_on_the_reference_model(tiny_gpt2):
@@ -99,7 +86,7 @@ def test_overlap_returns_levels_step_cost_joiners_and_delivery(server):
                             delivery_streams=2, step_steps=3)
     tables = overlap.run(config, server=server)
     levels = tables["levels"]
-    _columns(levels, "makespan_s", "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "gap_p50_s", "gap_p99_s",
+    assert_columns(levels, "makespan_s", "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "gap_p50_s", "gap_p99_s",
              "back_to_back_s", "speedup")
     assert levels.tokens.tolist() == [6, 12] and (levels.errors == 0).all()
     assert tables["step_cost"].batch.tolist() == [1, 2] and len(tables["step_fit"]) == 1
@@ -107,17 +94,17 @@ def test_overlap_returns_levels_step_cost_joiners_and_delivery(server):
     assert len(joiners) == 4 and joiners.ttft_s.notna().all()
     assert set(tables["delivery"]["mode"]) == {"prefill", "step_end"} and tables["delivery"].ttft_s.notna().all()
     assert set(overlap.summary(tables)) >= {"makespan_s", "step_ms_per_sequence"}
-    _figures_are_labelled(overlap, tables)
+    assert_figures_are_labelled(overlap, tables)
 
 
 @slow
 def test_buffers_a_client_that_never_reads_blocks_the_writer(server):
     tables = buffers.run(buffers.Config(event_sizes=(1024, 65536), repetitions=1), server=server)
     floods = tables["floods"]
-    _columns(floods, "bytes_accepted", "events_accepted", "client_unread_bytes", "client_rcvbuf")
+    assert_columns(floods, "bytes_accepted", "events_accepted", "client_unread_bytes", "client_rcvbuf")
     assert floods.blocked.all() and floods.server_finished.all()
     assert (floods.bytes_accepted > 0).all() and (floods.client_unread_bytes > 0).all()
-    _figures_are_labelled(buffers, tables)
+    assert_figures_are_labelled(buffers, tables)
 
 
 @slow

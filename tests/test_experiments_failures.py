@@ -13,6 +13,7 @@ import pytest
 from labkit.experiments import disconnect, extensions, leak, names, slowclient
 from labkit.experiments.common import Profile
 from labkit.experiments.harness import long_prompts
+from experiment_helpers import assert_columns, assert_figures_are_labelled
 
 matplotlib.use("Agg")
 slow = pytest.mark.slow
@@ -27,20 +28,6 @@ def server(tiny_gpt2):
     with serve_in_thread(tiny_gpt2, max_batch=4, policy="unbounded") as srv:
         yield srv
     srv.engine.check_integrity()
-
-
-def _columns(table: pd.DataFrame, *names: str) -> None:
-    missing = set(names) - set(table.columns)
-    assert not missing, f"missing columns {sorted(missing)}"
-
-
-def _figures_are_labelled(module, tables) -> None:
-    import matplotlib.pyplot as plt
-
-    figures = module.plot(tables)
-    assert figures and all(f.get_label().startswith(module.NAME) for f in figures)
-    for fig in figures:
-        plt.close(fig)
 
 
 def _every_server_clean(checks: pd.DataFrame) -> None:
@@ -104,8 +91,8 @@ def test_slowclient_healthy_streams_finish_and_every_server_ends_clean(server):
                                saturation_tokens=8, uncapped_policy=None, read_timeout=60.0)
     tables = slowclient.run(config, server=server)
     streams, grid = tables["streams"], tables["grid"]
-    _columns(streams, "policy", "slow_readers", "role", "tokens_received", "end", "left_engine_s", "max_queue")
-    _columns(grid, "healthy_done_s", "healthy_gap_p99_s", "slow_left_engine_max_s", "slow_ends")
+    assert_columns(streams, "policy", "slow_readers", "role", "tokens_received", "end", "left_engine_s", "max_queue")
+    assert_columns(grid, "healthy_done_s", "healthy_gap_p99_s", "slow_left_engine_max_s", "slow_ends")
     assert len(streams) == 2 * (3 + 3) and len(grid) == 4
     healthy = streams[streams.role == "healthy"]
     assert (healthy.tokens_received == 16).all() and (healthy.end == "length").all()
@@ -114,7 +101,7 @@ def test_slowclient_healthy_streams_finish_and_every_server_ends_clean(server):
     assert len(tables["saturation"]) == 1 and tables["saturation"].fast_errors.iloc[0] == 0
     _every_server_clean(tables["checks"])
     assert "NOT" not in slowclient.report(tables)
-    _figures_are_labelled(slowclient, tables)
+    assert_figures_are_labelled(slowclient, tables)
 
 
 @slow
@@ -123,7 +110,7 @@ def test_disconnect_starlette_releases_at_once_and_write_only_keeps_generating(s
                                moments=("waiting", "early", "mid"))
     tables = disconnect.run(config, server=server)
     trials = tables["trials"]
-    _columns(trials, "response_class", "moment", "leave_by", "tokens_read", "tokens_unread", "close_to_release_ms")
+    assert_columns(trials, "response_class", "moment", "leave_by", "tokens_read", "tokens_unread", "close_to_release_ms")
     assert len(trials) == 2 * 3 * 2 and trials.left.all()
     listening = trials[trials.response_class == "starlette"]
     assert (listening.tokens_unread <= 2).all(), listening
@@ -135,7 +122,7 @@ def test_disconnect_starlette_releases_at_once_and_write_only_keeps_generating(s
     checks = tables["checks"]
     _every_server_clean(checks)
     assert (checks.finished == checks.submitted).all() and (checks.releases == checks.admitted).all(), checks
-    _figures_are_labelled(disconnect, tables)
+    assert_figures_are_labelled(disconnect, tables)
 
 
 @slow
@@ -144,25 +131,25 @@ def test_leak_nothing_is_left_and_each_stream_is_released_once(server):
                          early_range=(0, 10), slow_leave_after=(3, 5), slow_sleep=0.02)
     tables = leak.run(config, server=server)
     outcome = tables["outcome"].set_index("response_class")
-    _columns(tables["streams"], "kind", "leave_after", "tokens_read", "tokens_generated", "engine_finish")
+    assert_columns(tables["streams"], "kind", "leave_after", "tokens_read", "tokens_generated", "engine_finish")
     assert outcome.cache_whole.all() and (outcome.held_blocks == 0).all()
     assert (outcome.open_streams == 0).all() and (outcome.running == 0).all() and (outcome.waiting == 0).all()
     assert (outcome.finished == 24).all() and (outcome.releases == outcome.admitted).all()
     assert (outcome.hub_errors == 0).all() and (outcome.cut == 0).all() and (outcome.client_errors == 0).all()
     assert outcome.loc["write_only", "generated_per_read_leavers"] > outcome.loc["starlette", "generated_per_read_leavers"]
     assert "FAILED" not in leak.report(tables)
-    _figures_are_labelled(leak, tables)
+    assert_figures_are_labelled(leak, tables)
 
 
 @slow
 def test_extensions_resume_is_exact_and_seeded_sampling_is_reproducible(server):
     config = extensions.Config.for_profile(Profile("ci"))
     tables = extensions.run(config, server=server)
-    _columns(tables["delivery"], "mode", "ttft_p50_s", "ttft_p99_s")
-    _columns(tables["resume"], "status", "in_order_no_gap", "same_tokens_as_generate")
-    _columns(tables["identity"], "comparison", "identical", "first_diff", "margin")
+    assert_columns(tables["delivery"], "mode", "ttft_p50_s", "ttft_p99_s")
+    assert_columns(tables["resume"], "status", "in_order_no_gap", "same_tokens_as_generate")
+    assert_columns(tables["identity"], "comparison", "identical", "first_diff", "margin")
     assert set(tables["delivery"]["mode"]) == {"prefill", "step_end"}
     assert len(tables["saturation"]) == 1 + len(config.stall_timeouts)
     report = extensions.report(tables)
     assert "NOT" not in report and "UNEXPECTED" not in report and "DIFFERENT" not in report, report
-    _figures_are_labelled(extensions, tables)
+    assert_figures_are_labelled(extensions, tables)

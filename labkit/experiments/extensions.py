@@ -208,15 +208,17 @@ async def _slow_until_released(srv: Any, slow: slowclient.Config,
     readers = [asyncio.ensure_future(read_stream(srv.url, body, sleep=slow.slow_sleep, read_bytes=slow.read_bytes,
                                                  leave_after_s=slow.read_timeout, leave=flag, result=result))
                for body, flag, result in zip(requests, flags, results)]
-    while not all(r.request_id for r in results) and not all(t.done() for t in readers):
-        await asyncio.sleep(0.01)
-    await wait_released(srv.hub, [r.request_id for r in results], timeout=slow.read_timeout)
-    await asyncio.sleep(0.2)  # a few samples after the last release: the peak is behind us
-    for flag in flags:
-        flag.set()
-    await asyncio.gather(*readers)
-    sampler.stop()
-    await sampling
+    try:
+        while not all(r.request_id for r in results) and not all(t.done() for t in readers):
+            await asyncio.sleep(0.01)
+        await wait_released(srv.hub, [r.request_id for r in results], timeout=slow.read_timeout)
+        await asyncio.sleep(0.2)  # a few samples after the last release: the peak is behind us
+    finally:
+        for flag in flags:
+            flag.set()
+        await asyncio.gather(*readers, return_exceptions=True)
+        sampler.stop()
+        await sampling
     return results, sampler.table(t0)
 
 
@@ -245,7 +247,7 @@ def beside_chapter(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
 
     return beside([
         ("first token median / p99, all at once, step-end delivery", "441 / 442 (32 streams)",
-         first_token.get("step_end", "n/a"), "ms"),
+         f"{first_token.get('step_end', 'n/a')} ({tables['delivery_streams'].stream.nunique()} streams)", "ms"),
         ("the same, delivered when each prefill ends", "not built (exercise 1)", first_token.get("prefill", "n/a"), "ms"),
         ("full batch: slot-seconds held by paused streams", "not measured (exercise 2)", held, "slot-s"),
         ("resumed streams with exactly the missed events", "not built (exercise 4)",
@@ -281,15 +283,9 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
 
 
 def _plot_delivery(delivery: pd.DataFrame):
-    from labkit.plots import new_figure
+    from labkit.plots import first_token_cdf
 
-    fig, (ax,) = new_figure("extensions_first_token")
-    for mode, group in delivery.groupby("mode"):
-        values = np.sort(1000 * group.ttft_s.dropna().to_numpy())
-        ax.plot(np.arange(1, len(values) + 1) / len(values), values, label=f"delivered at {mode.replace('_', ' ')}")
-    ax.set(xlabel="fraction of streams", ylabel="ms to first token", title="First token: own prefill vs step end")
-    ax.legend()
-    return fig
+    return first_token_cdf(delivery, "extensions_first_token", "First token: own prefill vs step end")
 
 
 def _plot_saturation(saturation: pd.DataFrame):

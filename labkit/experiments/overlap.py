@@ -316,12 +316,6 @@ def _plot_joiners(joiners: pd.DataFrame):
 
 
 def _plot_delivery(delivery: pd.DataFrame):
-    from labkit.plots import new_figure
+    from labkit.plots import first_token_cdf
 
-    fig, (ax,) = new_figure("overlap_first_token")
-    for mode, group in delivery.groupby("mode"):
-        values = np.sort(1000 * group.ttft_s.dropna().to_numpy())
-        ax.plot(np.arange(1, len(values) + 1) / len(values), values, label=f"delivered at {mode.replace('_', ' ')}")
-    ax.set(xlabel="fraction of streams", ylabel="ms to first token", title="First-token delivery: own prefill vs step end")
-    ax.legend()
-    return fig
+    return first_token_cdf(delivery, "overlap_first_token", "First-token delivery: own prefill vs step end")
