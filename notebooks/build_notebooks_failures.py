@@ -272,10 +272,18 @@ def extension_cells() -> list:
     ]
 
 
+def stable_ids(name: str, cells: list) -> list:
+    """Name cells by notebook and position, so regenerating a notebook does not churn its diff."""
+    stem = name.split("_")[0]
+    for i, cell in enumerate(cells):
+        cell["id"] = f"nb{stem}-{i:02d}"
+    return cells
+
+
 def main(argv: list[str]) -> None:
     for name, cells in notebooks().items():
         if not argv or any(name.startswith(prefix) for prefix in argv):
-            print("wrote", write_notebook(name, cells).relative_to(HERE.parent))
+            print("wrote", write_notebook(name, stable_ids(name, cells)).relative_to(HERE.parent))
 
 
 if __name__ == "__main__":

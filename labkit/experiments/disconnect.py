@@ -264,6 +264,7 @@ def _plot_release(trials: pd.DataFrame):
             ax.scatter(xs, part.close_to_release_ms.clip(lower=0.1), s=14, label=how.upper())
         ax.set(yscale="log", xticks=range(len(MOMENTS)), title=kind.replace("_", "-"),
                ylabel="ms from the client's close to the release")
+        ax.set_ylim(0.5 * trials.close_to_release_ms.clip(lower=0.1).min(), 2 * trials.close_to_release_ms.max())
         ax.set_xticklabels([m.replace("_", " ") for m in MOMENTS], rotation=20)
         ax.legend()
     return fig

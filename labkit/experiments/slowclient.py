@@ -337,7 +337,7 @@ def _plot_grid(grid: pd.DataFrame):
         slow = group[group.slow_readers > 0]
         right.plot(slow.slow_readers, slow.slow_left_engine_max_s, "o-", label=policy)
     left.set(xlabel="slow readers among the streams", ylabel="s until the last healthy stream ended",
-             title="What the healthy streams pay", yscale="log")
+             title="What the healthy streams pay")
     right.set(xlabel="slow readers among the streams", ylabel="s until the last slow sequence left the engine",
               title="How long slow streams hold the engine")
     left.legend()
