@@ -67,14 +67,14 @@ def _bare_forward_ms(loaded: LoadedModel, prompts: list[list[int]], cfg: StepBen
     model = loaded.model if cfg.dtype == "float32" else loaded.model.to(getattr(torch, cfg.dtype))
     ids = torch.tensor(prompts)
     out = model(input_ids=ids, use_cache=True)
-    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
     times = []
     for _ in range(cfg.warmup + cfg.steps):
         t0 = time.perf_counter()
         out = model(input_ids=nxt, cache=cache, use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
         times.append(time.perf_counter() - t0)
-        cache = out.past_key_values
+        cache = out.cache
     if cfg.dtype != "float32":
         loaded.model.to(torch.float32)
     return 1000 * statistics.median(times[cfg.warmup :])
