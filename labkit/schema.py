@@ -15,7 +15,7 @@ event      data (compact JSON object)                           when
 
 Every event carries an SSE ``id:`` equal to its position in the stream: 1, 2, 3, ... Comments
 (``: ping``) carry no id and do not advance the count, so a client that read to the end holds a
-last event id equal to the number of events. ``index`` in a token event counts tokens from 0;
+last event id that matches the count of events. ``index`` in a token event counts tokens from 0;
 ``text`` is the delta the token adds (possibly empty, when a token holds part of a character).
 
 Why these choices:

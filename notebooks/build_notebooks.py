@@ -104,7 +104,7 @@ def wire_cells() -> list:
         md("""
             # 1. What goes over the wire
 
-            A stream is an HTTP response that keeps arriving. Here every prompt is sent twice to the
+            A streamed answer is one HTTP response whose body keeps growing. Here every prompt is sent twice to the
             same server: once to `POST /v1/stream`, read event by event with a timed SSE reader, and
             once to `POST /v1/generate`, which answers with a single JSON document. For each stream we
             check what a client leans on (the content type, the request id in the header against the
@@ -216,7 +216,7 @@ def overlap_cells() -> list:
             tokens. The baseline is the same prompts run one after another, summed.
 
             Three expectations, taken from the chapter and tested here: aggregate throughput grows nearly
-            with the number of streams while each stream's gap grows much less; time to first token grows
+            with the number of streams while each stream's gap grows much less; the wait for a first token rises
             with the number of requests that arrive together, because their prefills run one after
             another; and a request that joins while others run waits for the step in progress and its
             own prefill, and no more.

@@ -103,7 +103,7 @@ def slow_cells() -> list:
             ## The memory an eager server would hold
 
             The lab's hub queues unformatted events and builds the padding as each one is written. A
-            server that formatted eagerly would hold every queued event at its full size. Under
+            server that built each event's bytes up front would keep every queued event at its full size. Under
             `unbounded`, the peak number of events queued at once (sampled every 10 ms) times the
             measured size of one event gives that memory; `bound_bytes` is the arithmetic ceiling,
             every token of every slow stream, and `unread_at_release_bytes` what the slow clients had
@@ -136,7 +136,7 @@ def disconnect_cells() -> list:
         md("""
             # 6. When the client goes away
 
-            A stream is a request that outlives the function that started it, so something must notice
+            A streamed request lives on after the handler that began it returns, so something must notice
             that its client has gone and give back what the request holds. Two experiments.
 
             **Disconnect.** A client leaves by FIN (an orderly close) or by RST (an abortive one) at five

@@ -16,7 +16,7 @@ from labkit.experiments.client import (
 from labkit.experiments.rawhttp import ChunkedDecoder, raw_stream
 from labkit.sse import sse_comment, sse_event
 
-BODY = {"prompt": "The capital of France is", "max_new_tokens": 12}
+BODY = {"prompt": "The capital of Italy is", "max_new_tokens": 12}
 LONG = {"prompt": "Once upon a time", "max_new_tokens": 200}
 
 

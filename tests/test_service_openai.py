@@ -30,13 +30,13 @@ def lab_generate(server: Any, **body: Any) -> dict[str, Any]:
 
 
 def test_completions_stream_and_whole_agree_with_the_lab_route(server: Any, client: openai.OpenAI) -> None:
-    expected = lab_generate(server, prompt="The capital of France is", max_new_tokens=8)
-    chunks = list(client.completions.create(model="any", prompt="The capital of France is", max_tokens=8,
+    expected = lab_generate(server, prompt="The capital of Italy is", max_new_tokens=8)
+    chunks = list(client.completions.create(model="any", prompt="The capital of Italy is", max_tokens=8,
                                             temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == expected["text"]
     assert chunks[-1].choices[0].finish_reason == "length"
     assert all(c.id == chunks[0].id and c.model == server.engine.model.name for c in chunks)
-    whole = client.completions.create(model="any", prompt="The capital of France is", max_tokens=8, temperature=0)
+    whole = client.completions.create(model="any", prompt="The capital of Italy is", max_tokens=8, temperature=0)
     assert whole.choices[0].text == expected["text"] and whole.choices[0].finish_reason == "length"
     assert whole.usage.prompt_tokens == expected["usage"]["prompt_tokens"] and whole.usage.completion_tokens == 8
 

@@ -42,7 +42,7 @@ def test_stream_events_come_in_order_with_schema_ids_and_headers(server: Any) ->
 
 
 def test_stream_and_generate_agree(server: Any) -> None:
-    body = {"prompt": "The capital of France is", "max_new_tokens": 12}
+    body = {"prompt": "The capital of Italy is", "max_new_tokens": 12}
     with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
         _, events = sse_post(client, "/v1/stream", body)
         whole = generate(client, **body)

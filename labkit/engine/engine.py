@@ -1,7 +1,7 @@
 """BatchEngine: a step-driven continuous-batching engine over a paged KV cache.
 
 Each ``step()`` applies the inbox, admits and prefills waiting requests (each prefill makes its
-request's first token), decodes one token for every other running sequence in one batched pass,
+request's first token), advances each remaining running sequence by one token in a single batched pass,
 and returns the events. Other threads only submit, cancel, pause and resume, which are recorded
 in the inbox and carried out at the next step boundary.
 """

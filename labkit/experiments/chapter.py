@@ -1,6 +1,6 @@
 """The chapter's published figures, set beside ours.
 
-The chapter measured GPT-2 small in float32 on a shared RTX 2060 (Windows, loopback). Its
+The chapter's numbers come from GPT-2 small (float32) on an RTX 2060 that other work shared, under Windows, over loopback. Its
 numbers are quoted here only so that a notebook can print them next to what this machine
 measured; nothing in the lab computes with them. Each ``*_beside`` function returns a table
 with one row per quantity: what it is, the chapter's figure (as the chapter states it), ours

@@ -1,6 +1,6 @@
 """Experiment 7, ``leak``: after many clients come and go, is everything given back exactly once?
 
-Hundreds of streams from up to 48 concurrent clients, on an engine with a batch limit of 8. A
+Hundreds of streams, at most 48 open at once, against an engine that runs 8 at a time. A
 fixed, seeded plan: 35% read to the end; half leave after 0 to 40 tokens, by FIN or RST; 15% read
 slowly (a 0.25 s sleep after each read) and leave after 3 or 10 tokens. Then we look at the
 server, not at the responses: the cache whole (``check_integrity``), nothing reserved, running,

@@ -3,7 +3,7 @@
 Each prompt is streamed from ``/v1/stream`` and answered whole by ``/v1/generate`` on the same
 server. For every stream we check what a client relies on: the content type, the request id
 header against the ``start`` event, the order start, token..., done, the same token ids, text,
-usage and finish reason as the JSON answer, a last event id equal to the number of events, and
+usage and finish reason as the JSON answer, a last event id that matches the count of events, and
 nothing left unfinished; and we count the bytes per token and the empty text deltas.
 """
 from __future__ import annotations
