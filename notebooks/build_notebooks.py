@@ -109,7 +109,7 @@ def wire_cells() -> list:
             once to `POST /v1/generate`, which answers with a single JSON document. For each stream we
             check what a client leans on (the content type, the request id in the header against the
             one in the `start` event, the order start, tokens, done, the same tokens, text, usage and
-            finish reason as the JSON answer, a last event id equal to the number of events, nothing
+            finish reason as the JSON answer, a last event id that matches the count of events, nothing
             cut off at the end) and we count what the stream cost in bytes.
         """),
         setup("wire"),
@@ -217,7 +217,7 @@ def overlap_cells() -> list:
 
             Three expectations, taken from the chapter and tested here: aggregate throughput grows nearly
             with the number of streams while each stream's gap grows much less; the wait for a first token rises
-            with the number of requests that arrive together, because their prefills run one after
+            with how many requests arrive at once, because their prefills run one after
             another; and a request that joins while others run waits for the step in progress and its
             own prefill, and no more.
         """),

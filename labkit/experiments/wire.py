@@ -22,7 +22,7 @@ NAME = "wire"
 
 #: (column, what it checks) in the order the checks table lists them.
 CHECKS = (
-    ("content_type_ok", "content type text/event-stream; charset=utf-8"),
+    ("content_type_ok", "media type text/event-stream; charset=utf-8"),
     ("request_id_matches", "X-Request-ID equals the start event's request_id"),
     ("order_ok", "events in the order start, token..., done"),
     ("ids_match", "token ids identical to /v1/generate"),
