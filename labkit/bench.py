@@ -3,7 +3,9 @@
 ``step``: the median decode step with no prefill in it, for several batch sizes, beside a bare
 transformers forward over the same batch and context. ``generate``: many requests through the
 engine at once, against the same requests one after another, and against transformers' own
-continuous batching (``generate_batch``).
+continuous batching (``generate_batch``), once with a cache sized to the work (as the engine's
+is) and once left to size its own. Each request makes exactly ``new_tokens`` unless
+``ignore_eos`` is off, and the table counts the outputs identical to the engine's.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 
 from labkit.engine.config import EngineConfig
 from labkit.engine.engine import BatchEngine
+from labkit.engine.events import TokenEvent
 from labkit.models import LoadedModel, load_model
 from labkit.prompts import PROMPTS
 
@@ -37,6 +40,8 @@ class GenerateBench:
     new_tokens: int = 64
     dtype: str = "float32"
     with_generate_batch: bool = True
+    with_self_sized: bool = True  # also run generate_batch as it sizes itself (slow to start on a CPU)
+    ignore_eos: bool = True  # every request makes exactly new_tokens, as throughput benchmarks arrange
 
 
 def _context_ids(loaded: LoadedModel, batch: int, context: int) -> list[list[int]]:
@@ -94,40 +99,77 @@ def bench_step(cfg: StepBench = StepBench(), loaded: LoadedModel | None = None) 
     return pd.DataFrame(rows)
 
 
-def _engine_run(loaded: LoadedModel, prompts: list[str], cfg: GenerateBench, concurrent: bool) -> tuple[float, int]:
+def _engine_run(loaded: LoadedModel, prompts: list[str], cfg: GenerateBench,
+                concurrent: bool) -> tuple[float, list[list[int]]]:
+    """Seconds and each request's tokens, with every request submitted at once or one at a time."""
     engine = BatchEngine(loaded, EngineConfig(max_batch=max(1, len(prompts)), dtype=cfg.dtype))
-    tokens, t0 = 0, time.perf_counter()
+    outputs: dict[str, list[int]] = {}
+    t0 = time.perf_counter()
     groups = [prompts] if concurrent else [[p] for p in prompts]
     for group in groups:
-        for p in group:
-            engine.submit(p, max_new_tokens=cfg.new_tokens)
+        rids = [engine.submit(p, max_new_tokens=cfg.new_tokens, ignore_eos=cfg.ignore_eos) for p in group]
+        outputs.update({rid: [] for rid in rids})
         while engine.has_work():
-            tokens += sum(1 for e in engine.step() if hasattr(e, "token_id"))
-    return time.perf_counter() - t0, tokens
+            for event in engine.step():
+                if isinstance(event, TokenEvent):
+                    outputs[event.rid].append(event.token_id)
+    return time.perf_counter() - t0, list(outputs.values())
 
 
 @torch.inference_mode()
-def _generate_batch_run(loaded: LoadedModel, prompts: list[str], cfg: GenerateBench) -> tuple[float, int]:
+def _generate_batch_run(loaded: LoadedModel, prompts: list[str], cfg: GenerateBench,
+                        sized: bool = True) -> tuple[float, list[list[int]]]:
+    """transformers' continuous batching over the same requests.
+
+    ``sized``: give it a cache the size of this workload, as the engine has. Left to size itself
+    (``sized=False``), ``generate_batch`` claims most of the free memory and on a CPU spends tens
+    of seconds clearing its static buffers before the first token; that row measures set-up as
+    much as generation, and is shown so that the difference is visible.
+    """
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     inputs = [loaded.tokenizer.encode(p) for p in prompts]
-    gen = GenerationConfig(max_new_tokens=cfg.new_tokens, do_sample=False, eos_token_id=loaded.eos_token_id,
+    eos = -1 if cfg.ignore_eos else loaded.eos_token_id  # transformers reads -1 as "no eos"
+    gen = GenerationConfig(max_new_tokens=cfg.new_tokens, do_sample=False, eos_token_id=eos,
                            pad_token_id=loaded.eos_token_id)
+    page = 16
+    sizing = ContinuousBatchingConfig(
+        page_size=page, num_blocks=sum(-(-(len(ids) + cfg.new_tokens) // page) for ids in inputs),
+        max_batch_tokens=sum(map(len, inputs)) + len(inputs), max_requests_per_batch=len(inputs))
     t0 = time.perf_counter()
-    outputs = loaded.model.generate_batch(inputs, generation_config=gen, progress_bar=False)
+    outputs = loaded.model.generate_batch(inputs, generation_config=gen,
+                                          continuous_batching_config=sizing if sized else None)
     elapsed = time.perf_counter() - t0
-    return elapsed, sum(len(o.generated_tokens) for o in outputs.values())
+    # generate_batch keys its results by request id; the ids it makes count up in submission order
+    ordered = [outputs[key].generated_tokens for key in sorted(outputs, key=_request_number)]
+    return elapsed, [list(tokens) for tokens in ordered]
+
+
+def _request_number(request_id: str) -> int:
+    return int(request_id.rsplit("_", 1)[-1])
 
 
 def bench_generate(cfg: GenerateBench = GenerateBench(), loaded: LoadedModel | None = None) -> pd.DataFrame:
+    """Throughput of the same greedy requests three ways, and how many outputs match the engine's."""
     loaded = loaded or load_model(cfg.model)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(cfg.requests)]
+    warmup = GenerateBench(cfg.model, requests=2, new_tokens=2, dtype=cfg.dtype, ignore_eos=cfg.ignore_eos)
+    _engine_run(loaded, prompts[:2], warmup, concurrent=True)  # first calls pay for lazy set-up: keep it out
+    if cfg.with_generate_batch:
+        _generate_batch_run(loaded, prompts[:2], warmup)
     runs = {"engine, all at once": _engine_run(loaded, prompts, cfg, concurrent=True),
             "engine, one after another": _engine_run(loaded, prompts, cfg, concurrent=False)}
     if cfg.with_generate_batch:
-        runs["transformers generate_batch"] = _generate_batch_run(loaded, prompts, cfg)
-    rows = [{"run": name, "seconds": s, "tokens": n, "tokens_per_s": n / s} for name, (s, n) in runs.items()]
+        runs["transformers generate_batch, cache sized to the work"] = _generate_batch_run(loaded, prompts, cfg)
+    if cfg.with_generate_batch and cfg.with_self_sized:
+        runs["transformers generate_batch, self-sized cache"] = _generate_batch_run(loaded, prompts, cfg, sized=False)
+    reference = runs["engine, all at once"][1]
+    rows = [{"run": name, "seconds": seconds, "tokens": sum(map(len, outputs)),
+             "tokens_per_s": sum(map(len, outputs)) / seconds,
+             "same_tokens_as_engine": f"{sum(a == b for a, b in zip(outputs, reference))}/{len(prompts)}"}
+            for name, (seconds, outputs) in runs.items()]
     table = pd.DataFrame(rows)
-    base = table.loc[table.run == "engine, all at once", "tokens_per_s"].iloc[0]
-    table["engine_all_at_once/this"] = base / table.tokens_per_s
+    base = table.tokens_per_s.iloc[0]
+    table.insert(4, "engine_all_at_once/this", base / table.tokens_per_s)
     return table

@@ -134,7 +134,7 @@ class Hub:
     # -- streams (loop thread) -------------------------------------------------------------
     def open(self, prompt: str | Sequence[int], *, max_new_tokens: int = 64, stop: str | Sequence[str] = (),
              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-             request_id: str | None = None) -> Stream:
+             ignore_eos: bool = False, request_id: str | None = None) -> Stream:
         """Submit a request and register its stream. Raises Draining or the engine's errors."""
         if self.draining:
             raise Draining("the server is draining and accepts no new requests")
@@ -143,7 +143,7 @@ class Hub:
             raise RuntimeError("the hub is not running: call start() first")
         submitted = time.perf_counter()
         self._thread.submit(prompt, max_new_tokens=max_new_tokens, stop=stop, temperature=temperature,
-                            top_p=top_p, seed=seed, request_id=rid)
+                            top_p=top_p, seed=seed, ignore_eos=ignore_eos, request_id=rid)
         prompt_tokens = None if isinstance(prompt, str) else len(prompt)
         record = StreamRecord(rid, prompt_tokens, max_new_tokens, submitted)
         stream = Stream(record, self._taken)

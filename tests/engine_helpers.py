@@ -1,6 +1,7 @@
 """Helpers for engine tests: an engine that checks its books after every step, and runners."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from labkit.engine.config import EngineConfig
@@ -76,6 +77,15 @@ def solo(model, prompt, max_new_tokens: int = 16, **kwargs) -> Outcome:
     engine = make_engine(model)
     rid = engine.submit(prompt, max_new_tokens=max_new_tokens, **kwargs)
     return drain(engine)[rid]
+
+
+def with_eos(loaded, eos_token_id: int):
+    """The same weights, with ``eos_token_id`` declared the end of sequence."""
+    model = copy.copy(loaded)
+    model.model = copy.copy(loaded.model)
+    model.model.config = copy.deepcopy(loaded.model.config)
+    model.model.config.eos_token_id = eos_token_id
+    return model
 
 
 def assert_all_released(engine: BatchEngine) -> None:

@@ -1,5 +1,7 @@
 """The benchmarks run end to end on a tiny model and report what they promise (no timing asserted)."""
+from engine_helpers import solo, with_eos
 from labkit.bench import GenerateBench, StepBench, bench_generate, bench_step
+from labkit.prompts import PROMPTS
 
 
 def test_step_bench_reports_bare_invariant_and_plain_times_per_batch(tiny_gpt2):
@@ -9,8 +11,18 @@ def test_step_bench_reports_bare_invariant_and_plain_times_per_batch(tiny_gpt2):
         assert (table[column] > 0).all(), column
 
 
-def test_generate_bench_counts_the_same_tokens_all_at_once_and_one_by_one(tiny_gpt2):
-    cfg = GenerateBench(model="tiny-gpt2", requests=4, new_tokens=6, with_generate_batch=False)
+def test_generate_bench_runs_every_request_to_its_length_three_ways(tiny_gpt2):
+    cfg = GenerateBench(model="tiny-gpt2", requests=4, new_tokens=6, with_self_sized=False)
     table = bench_generate(cfg, tiny_gpt2).set_index("run")
-    assert table.loc["engine, all at once", "tokens"] == table.loc["engine, one after another", "tokens"]
+    assert list(table.index) == ["engine, all at once", "engine, one after another",
+                                 "transformers generate_batch, cache sized to the work"]
+    assert (table.tokens == 4 * 6).all()
+    assert table.loc["engine, one after another", "same_tokens_as_engine"] == "4/4"
     assert table.loc["engine, all at once", "engine_all_at_once/this"] == 1.0
+
+
+def test_generate_bench_can_let_requests_end_on_eos(tiny_gpt2):
+    free_run = solo(tiny_gpt2, PROMPTS[0], max_new_tokens=6).tokens  # the bench's first request, alone
+    cfg = GenerateBench(model="tiny-gpt2", requests=1, new_tokens=6, with_generate_batch=False, ignore_eos=False)
+    table = bench_generate(cfg, with_eos(tiny_gpt2, free_run[1]))
+    assert (table.tokens == free_run.index(free_run[1]) + 1).all()

@@ -1,10 +1,9 @@
 """A request's life in the engine: admission, the batch limit, cancel, pause, resume, release."""
-import copy
 import threading
 
 import pytest
 
-from engine_helpers import PROMPTS, Outcome, assert_all_released, collect, drain, make_engine, solo
+from engine_helpers import PROMPTS, Outcome, assert_all_released, collect, drain, make_engine, solo, with_eos
 from labkit.errors import DoubleFree
 
 
@@ -26,13 +25,16 @@ def test_length_limit_gives_exactly_max_new_tokens(tiny_model):
 
 def test_eos_ends_the_sequence_with_reason_eos(tiny_gpt2):
     free_run = solo(tiny_gpt2, PROMPTS[3], max_new_tokens=8).tokens
-    model = copy.copy(tiny_gpt2)  # same weights, but this run's 4th token is declared the eos
-    model.model = copy.copy(tiny_gpt2.model)
-    model.model.config = copy.deepcopy(tiny_gpt2.model.config)
-    model.model.config.eos_token_id = free_run[3]
+    model = with_eos(tiny_gpt2, free_run[3])  # this run's 4th token ends it
     out = solo(model, PROMPTS[3], max_new_tokens=8)
     first = free_run.index(free_run[3])
     assert out.reason == "eos" and out.tokens == free_run[: first + 1]
+
+
+def test_ignore_eos_runs_past_eos_to_the_length_limit(tiny_gpt2):
+    free_run = solo(tiny_gpt2, PROMPTS[3], max_new_tokens=8).tokens
+    out = solo(with_eos(tiny_gpt2, free_run[3]), PROMPTS[3], max_new_tokens=8, ignore_eos=True)
+    assert out.reason == "length" and out.tokens == free_run
 
 
 def test_cancelling_a_waiting_request_never_admits_it(tiny_gpt2):

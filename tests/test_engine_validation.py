@@ -34,7 +34,7 @@ def test_request_larger_than_the_whole_cache_is_refused(tiny_gpt2):
 
 
 @pytest.mark.parametrize("kwargs", [{"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"stop": [""]},
-                                    {"seed": "x"}])
+                                    {"seed": "x"}, {"ignore_eos": 1}])
 def test_bad_sampling_parameters_are_refused(tiny_gpt2, kwargs):
     with pytest.raises(InvalidRequest):
         make_engine(tiny_gpt2).submit(PROMPTS[0], **kwargs)

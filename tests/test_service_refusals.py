@@ -19,6 +19,7 @@ BAD_BODIES = [
     pytest.param(b'{"prompt": "x", "top_p": 0}', "invalid_request", id="top-p-zero"),
     pytest.param(b'{"prompt": "x", "stop": 3}', "invalid_request", id="stop-int"),
     pytest.param(b'{"prompt": "x", "stop": [""]}', "invalid_request", id="stop-empty-string"),
+    pytest.param(b'{"prompt": "x", "ignore_eos": "yes"}', "invalid_request", id="ignore-eos-string"),
     pytest.param(b'{"prompt": "x", "max_tokens": 5}', "invalid_request", id="unknown-field"),
     pytest.param(b'{"prompt": ""}', "invalid_request", id="empty-prompt"),
     pytest.param(b'{"prompt": "x", "max_new_tokens": 600}', "prompt_too_long", id="too-long"),

@@ -8,6 +8,7 @@ import httpx
 import httpx_sse
 import pytest
 
+from engine_helpers import with_eos
 from service_helpers import (PROMPTS, TIMEOUT, RawClient, decode_event_sse, lab_server, occupy_a_slot, sse_post,
                              text_of, tokens_of, wait_until)
 
@@ -69,6 +70,18 @@ def test_sampling_with_a_seed_is_repeatable(server: Any) -> None:
     with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
         first, second = generate(client, **body), generate(client, **body)
     assert first["token_ids"] == second["token_ids"]
+
+
+def test_ignore_eos_runs_a_stream_past_eos_to_its_limit(server: Any, tiny_gpt2: Any) -> None:
+    body = {"prompt": "Water boils at", "max_new_tokens": 8}
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        free_run = generate(client, **body)["token_ids"]
+    with lab_server(with_eos(tiny_gpt2, free_run[2])) as eos_server:
+        with httpx.Client(base_url=eos_server.url, timeout=TIMEOUT) as client:
+            ended = generate(client, **body)
+            ignored = generate(client, **body, ignore_eos=True)
+    assert ended["finish_reason"] == "eos" and ended["token_ids"] == free_run[: free_run.index(free_run[2]) + 1]
+    assert ignored["finish_reason"] == "length" and ignored["token_ids"] == free_run
 
 
 def test_concurrent_streams_equal_their_solo_runs(server: Any) -> None:

@@ -56,14 +56,14 @@ class BatchEngine:
 
     def submit(self, prompt: str | Seq[int], *, max_new_tokens: int = 64, stop: str | Seq[str] = (),
                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-               request_id: str | None = None) -> str:
+               ignore_eos: bool = False, request_id: str | None = None) -> str:
         """Validate a request in the caller's thread and queue it; returns its id.
 
         Raises EmptyPrompt, PromptTooLong or InvalidRequest for a request that can never run, and
         QueueFull at the waiting limit. Nothing is allocated until a step admits it.
         """
         ids = self._prompt_ids(prompt)
-        params = _params(max_new_tokens, stop, temperature, top_p, seed)
+        params = _params(max_new_tokens, stop, temperature, top_p, seed, ignore_eos)
         self._check_fits(len(ids), params.max_new_tokens)
         rid = self._claim_id(request_id)
         seq = Sequence(rid, ids, params, make_generator(params))
@@ -140,7 +140,7 @@ class BatchEngine:
         seq.output_ids.append(token_id)
         self.counters["tokens"] += 1
         is_eos = token_id in self._eos
-        reason = "eos" if is_eos else "length" if seq.num_output >= seq.params.max_new_tokens else None
+        reason = "eos" if is_eos and not seq.params.ignore_eos else "length" if seq.num_output >= seq.params.max_new_tokens else None
         text, stopped = self._texts[seq.rid].push(token_id, special=is_eos, final=reason is not None)
         if stopped:
             reason = "stop"
@@ -243,9 +243,9 @@ def _eos_ids(model: LoadedModel) -> frozenset[int]:
 
 
 def _params(max_new_tokens: int, stop: str | Seq[str], temperature: float, top_p: float,
-            seed: int | None) -> SamplingParams:
+            seed: int | None, ignore_eos: bool) -> SamplingParams:
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     try:
-        return SamplingParams(max_new_tokens, stops, temperature, top_p, seed)
+        return SamplingParams(max_new_tokens, stops, temperature, top_p, seed, ignore_eos)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc

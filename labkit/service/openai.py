@@ -52,6 +52,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
     seed: StrictInt | None = None
+    ignore_eos: StrictBool = False  # not OpenAI's; vLLM and llama.cpp's server accept it too
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     logit_bias: dict[str, Any] | None = None
@@ -164,7 +165,8 @@ async def answer(request: Request, service: Service, body: _Sampling, ids: list[
                  kind: Kind) -> Response:
     temperature = 1.0 if body.temperature is None else body.temperature
     stream = service.open(ids, max_new_tokens=max_tokens, stop=body.stop, temperature=temperature,
-                          top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+                          top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+                          ignore_eos=body.ignore_eos)
     shape = Shape(kind, stream.rid, service.model_name, len(ids))
     headers = {"X-Request-ID": stream.rid}
     if body.stream:

@@ -31,10 +31,10 @@ class Service:
         return self.engine.encode(prompt) if prompt else []
 
     def open(self, prompt_ids: Sequence[int], *, max_new_tokens: int, stop: str | Sequence[str] | None,
-             temperature: float, top_p: float, seed: int | None) -> Stream:
+             temperature: float, top_p: float, seed: int | None, ignore_eos: bool = False) -> Stream:
         """Refuse (raise) or submit: EmptyPrompt, PromptTooLong, InvalidRequest, QueueFull, Draining."""
         return self.hub.open(list(prompt_ids), max_new_tokens=max_new_tokens, stop=stop or (),
-                             temperature=temperature, top_p=top_p, seed=seed)
+                             temperature=temperature, top_p=top_p, seed=seed, ignore_eos=ignore_eos)
 
     def remember_flood(self, flood_id: str, record: Any, keep: int = 256) -> None:
         self.floods[flood_id] = record

@@ -47,6 +47,7 @@ class GenerateRequest(BaseModel):
     temperature: Number = Field(0.0, ge=0)
     top_p: Number = Field(1.0, gt=0, le=1)
     seed: StrictInt | None = None
+    ignore_eos: StrictBool = False
     resumable: StrictBool = False
 
 
@@ -57,7 +58,8 @@ def service_of(request: Request) -> Service:
 def open_stream(service: Service, body: GenerateRequest) -> tuple[Stream, int]:
     ids = service.encode(body.prompt)
     stream = service.open(ids, max_new_tokens=body.max_new_tokens, stop=body.stop,
-                          temperature=body.temperature, top_p=body.top_p, seed=body.seed)
+                          temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                          ignore_eos=body.ignore_eos)
     return stream, len(ids)
 
 
