@@ -53,10 +53,13 @@ def test_a_waiting_stream_whose_client_leaves_is_never_admitted(tiny_gpt2: Any) 
         running.close_rst()
 
 
-def test_a_generate_client_that_leaves_cancels_its_request(tiny_gpt2: Any) -> None:
+@pytest.mark.parametrize("path, body", [("/v1/generate", {"prompt": "Hi", "max_new_tokens": 100}),
+                                        ("/v1/completions", {"prompt": "Hi", "max_tokens": 100})])
+def test_a_whole_answer_client_that_leaves_cancels_its_request(tiny_gpt2: Any, path: str,
+                                                               body: dict[str, Any]) -> None:
     with lab_server(tiny_gpt2, max_batch=1) as server:
         running = occupy_a_slot(server)
-        leaver = RawClient(server.url).post("/v1/generate", {"prompt": "Hi", "max_new_tokens": 100})
+        leaver = RawClient(server.url).post(path, body)
         wait_until(lambda: len(server.hub.records()) == 2, what="the generate request to be submitted")
         record = server.hub.records()[-1]
         leaver.close_rst()

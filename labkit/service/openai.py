@@ -28,7 +28,7 @@ from labkit.service.errors import ServiceError
 from labkit.service.frames import PING, items, padding
 from labkit.service.responses import sse_response
 from labkit.service.state import Service
-from labkit.service.streaming import ClientGone, Number, collect, service_of, unless_disconnected
+from labkit.service.streaming import Number, collect_whole, service_of
 from labkit.sse import ServerSentEvent
 from labkit.streams import Stream
 
@@ -174,12 +174,9 @@ async def answer(request: Request, service: Service, body: _Sampling, ids: list[
         chunks = stream_chunks(service, stream, shape, include_usage)
         return sse_response(chunks, service.config.response_class, request_id=stream.rid,
                             on_close=lambda: service.hub.close(stream))
-    try:
-        result = await unless_disconnected(request, collect(stream))
-    except ClientGone:
+    result = await collect_whole(request, service, stream)
+    if result is None:
         return Response(status_code=499)
-    finally:
-        service.hub.close(stream)
     return JSONResponse(shape.whole(result), headers=headers)
 
 

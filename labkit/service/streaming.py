@@ -95,13 +95,10 @@ async def post_generate(body: GenerateRequest, request: Request) -> Response:
     service = service_of(request)
     if body.resumable:
         raise ServiceError(422, "invalid_request", "resumable applies to /v1/stream only")
-    stream, prompt_tokens = open_stream(service, body)
-    try:
-        result = await unless_disconnected(request, collect(stream))
-    except ClientGone:
+    stream, _ = open_stream(service, body)
+    result = await collect_whole(request, service, stream)
+    if result is None:
         return Response(status_code=499)
-    finally:
-        service.hub.close(stream)
     result.update(request_id=stream.rid, model=service.model_name)
     return JSONResponse(result, headers={"X-Request-ID": stream.rid})
 
@@ -126,6 +123,20 @@ async def collect(stream: Stream) -> dict[str, Any]:
                 else (item.type, item.message)
             assert isinstance(item, (FinishEvent, StreamError))
             raise ServiceError(_ERROR_STATUS.get(kind, 500), kind, message)
+
+
+async def collect_whole(request: Request, service: Service, stream: Stream) -> dict[str, Any] | None:
+    """Read ``stream`` to its end for a non-streaming answer and close it on every exit.
+
+    ``None`` when the client left first: the caller answers 499 (which nobody reads), and the
+    close has already given the request's blocks back.
+    """
+    try:
+        return await unless_disconnected(request, collect(stream))
+    except ClientGone:
+        return None
+    finally:
+        service.hub.close(stream)
 
 
 class ClientGone(Exception):
