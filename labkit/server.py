@@ -57,6 +57,7 @@ class ServiceConfig:
     resume_log_events: int = 4096  # events kept per resumable stream
     retry_after_s: int = 1  # Retry-After on 429 and 503
     default_max_tokens: int = 256  # chat completions that name no limit
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413 before anything reads or tokenizes them
     # network
     host: str = "127.0.0.1"
     port: int = 8000
@@ -73,7 +74,7 @@ class ServiceConfig:
             raise ValueError(f"ServiceConfig.response_class must be one of {RESPONSE_CLASSES}, got {self.response_class!r}")
         for name in ("keepalive_interval", "drain_grace", "resume_grace"):
             _check(name, getattr(self, name), lambda v: isinstance(v, (int, float)) and v > 0, "a number > 0")
-        for name in ("resume_log_events", "retry_after_s", "default_max_tokens"):
+        for name in ("resume_log_events", "retry_after_s", "default_max_tokens", "max_body_bytes"):
             _check(name, getattr(self, name), lambda v: _is_int(v) and v >= 1, "an int >= 1")
         _check("pad_bytes", self.pad_bytes, lambda v: _is_int(v) and 0 <= v <= 64 * 2**20, "an int in [0, 64 MiB]")
         _check("port", self.port, lambda v: _is_int(v) and 0 <= v <= 65535, "an int in [0, 65535]")

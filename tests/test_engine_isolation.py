@@ -47,6 +47,13 @@ def test_sampled_request_with_a_seed_does_not_depend_on_its_neighbours(tiny_mode
     assert len(others) == 8
 
 
+@pytest.mark.parametrize("temperature", [1e-4, 1e-40])
+def test_a_vanishing_temperature_samples_the_greedy_token_instead_of_failing(tiny_model, temperature):
+    greedy = solo(tiny_model, PROMPTS[2], max_new_tokens=6)
+    sampled = solo(tiny_model, PROMPTS[2], max_new_tokens=6, temperature=temperature, seed=3)
+    assert sampled.tokens == greedy.tokens and sampled.reason == "length"
+
+
 def test_the_same_seed_gives_the_same_sample_and_another_seed_usually_differs(tiny_model):
     a = solo(tiny_model, PROMPTS[1], max_new_tokens=16, temperature=1.5, seed=7)
     b = solo(tiny_model, PROMPTS[1], max_new_tokens=16, temperature=1.5, seed=7)

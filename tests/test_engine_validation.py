@@ -1,4 +1,6 @@
 """Bad input raises a named error with a clear message and leaves nothing allocated."""
+import threading
+
 import pytest
 
 from engine_helpers import PROMPTS, collect, drain, make_engine
@@ -34,7 +36,7 @@ def test_request_larger_than_the_whole_cache_is_refused(tiny_gpt2):
 
 
 @pytest.mark.parametrize("kwargs", [{"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"stop": [""]},
-                                    {"seed": "x"}, {"ignore_eos": 1}])
+                                    {"seed": "x"}, {"seed": 2**64}, {"seed": -(2**63) - 1}, {"ignore_eos": 1}])
 def test_bad_sampling_parameters_are_refused(tiny_gpt2, kwargs):
     with pytest.raises(InvalidRequest):
         make_engine(tiny_gpt2).submit(PROMPTS[0], **kwargs)
@@ -62,6 +64,42 @@ def test_a_request_id_cannot_be_reused(tiny_gpt2):
     engine.submit(PROMPTS[0], max_new_tokens=2, request_id="abc")
     with pytest.raises(InvalidRequest, match="already in use"):
         engine.submit(PROMPTS[0], max_new_tokens=2, request_id="abc")
+    drain(engine)
+
+
+def test_a_request_id_is_free_again_once_its_request_is_over(tiny_gpt2):
+    engine = make_engine(tiny_gpt2)
+    engine.submit(PROMPTS[0], max_new_tokens=2, request_id="abc")
+    drain(engine)
+    engine.submit(PROMPTS[1], max_new_tokens=2, request_id="abc")
+    assert drain(engine)["abc"].reason == "length"
+    assert engine._known == set()  # finished ids are forgotten: a long-lived server does not grow
+
+
+def test_the_waiting_limit_holds_under_concurrent_submits_while_steps_run(tiny_gpt2):
+    engine = make_engine(tiny_gpt2, max_batch=1, max_waiting=3)
+    first = engine.submit(PROMPTS[0], max_new_tokens=200)
+    engine.step()  # first runs and holds the only slot for the rest of the test
+    accepted, refused, barrier = [], [], threading.Barrier(8)
+
+    def submitter(i: int) -> None:
+        barrier.wait()
+        for j in range(10):
+            try:
+                accepted.append(engine.submit(PROMPTS[(i + j) % len(PROMPTS)], max_new_tokens=2))
+            except QueueFull:
+                refused.append(i)
+
+    threads = [threading.Thread(target=submitter, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for _ in range(20):  # steps move the queue from inbox to waiting list meanwhile
+        engine.step()
+        assert engine.stats()["waiting"] <= 3
+    for t in threads:
+        t.join()
+    assert len(accepted) == 3 and len(refused) == 77
+    engine.cancel(first)
     drain(engine)
 
 

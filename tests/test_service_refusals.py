@@ -20,6 +20,8 @@ BAD_BODIES = [
     pytest.param(b'{"prompt": "x", "stop": 3}', "invalid_request", id="stop-int"),
     pytest.param(b'{"prompt": "x", "stop": [""]}', "invalid_request", id="stop-empty-string"),
     pytest.param(b'{"prompt": "x", "ignore_eos": "yes"}', "invalid_request", id="ignore-eos-string"),
+    pytest.param(b'{"prompt": "x", "temperature": 1, "seed": 18446744073709551616}', "invalid_request",
+                 id="seed-beyond-64-bits"),
     pytest.param(b'{"prompt": "x", "max_tokens": 5}', "invalid_request", id="unknown-field"),
     pytest.param(b'{"prompt": ""}', "invalid_request", id="empty-prompt"),
     pytest.param(b'{"prompt": "x", "max_new_tokens": 600}', "prompt_too_long", id="too-long"),
@@ -45,6 +47,17 @@ def test_a_bad_request_is_refused_with_a_json_envelope(server: Any, path: str, d
     with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
         response = client.post(path, content=data, headers={"content-type": "application/json"})
     assert_envelope(response, 422, kind)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_the_size_limit_gets_413_before_anything_reads_it(server: Any, chunked: bool) -> None:
+    body = b'{"prompt": "' + b"word " * (server.config.max_body_bytes // 5 + 1) + b'"}'
+    content = iter([body[i:i + 65536] for i in range(0, len(body), 65536)]) if chunked else body
+    before = len(server.hub.records())
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        response = client.post("/v1/stream", content=content, headers={"Content-Type": "application/json"})
+    assert_envelope(response, 413, "payload_too_large")
+    assert len(server.hub.records()) == before  # nothing was tokenized or submitted
 
 
 def test_the_refusal_is_the_whole_response_not_a_stream(server: Any) -> None:

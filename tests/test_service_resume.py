@@ -53,7 +53,9 @@ def test_a_finished_stream_answers_204_and_replays_any_tail(tiny_gpt2: Any) -> N
 
 @pytest.mark.parametrize("path, status", [("/v1/streams/req-nope/events", 404),
                                           ("/v1/streams/{rid}/events?after=abc", 422),
-                                          ("/v1/streams/{rid}/events?after=9999", 422)])
+                                          ("/v1/streams/{rid}/events?after=9999", 422),
+                                          ("/v1/streams/{rid}/events?after=%C2%B2", 422),
+                                          ("/v1/streams/{rid}/events?after=" + "9" * 5000, 422)])
 def test_unknown_streams_and_bad_cursors_are_refused_before_the_stream(tiny_gpt2: Any, path: str, status: int) -> None:
     with lab_server(tiny_gpt2) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
         with httpx_sse.connect_sse(client, "POST", "/v1/stream", json=BODY) as source:

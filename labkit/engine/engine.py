@@ -65,9 +65,10 @@ class BatchEngine:
         ids = self._prompt_ids(prompt)
         params = _params(max_new_tokens, stop, temperature, top_p, seed, ignore_eos)
         self._check_fits(len(ids), params.max_new_tokens)
-        rid = self._claim_id(request_id)
-        seq = Sequence(rid, ids, params, make_generator(params))
-        self.inbox.put(Command("submit", rid, seq))
+        generator = make_generator(params)
+        with self._ids_lock:  # the waiting count and the queue change together (see _apply_inbox)
+            rid = self._claim_id(request_id)
+            self.inbox.put(Command("submit", rid, Sequence(rid, ids, params, generator)))
         return rid
 
     def cancel(self, rid: str) -> None:
@@ -115,13 +116,20 @@ class BatchEngine:
             self._step_lock.release()
 
     def _apply_inbox(self, emit: OnEvent) -> None:
-        for command in self.inbox.drain():
-            if command.verb == "submit":
-                assert command.seq is not None
-                self._texts[command.rid] = TextState(self.tokenizer, command.seq.prompt_ids, command.seq.params.stop)
-            cancelled = self.scheduler.apply(command)
-            if cancelled is not None:
-                emit(self._finish_event(cancelled))
+        # The id lock is held while commands move from the inbox to the waiting list, so that a
+        # submit in another thread never counts the waiting requests while some are in neither.
+        cancelled: list[Sequence] = []
+        with self._ids_lock:
+            for command in self.inbox.drain():
+                if command.verb == "submit":
+                    assert command.seq is not None
+                    self._texts[command.rid] = TextState(self.tokenizer, command.seq.prompt_ids,
+                                                         command.seq.params.stop)
+                seq = self.scheduler.apply(command)
+                if seq is not None:
+                    cancelled.append(seq)
+        for seq in cancelled:
+            emit(self._finish_event(seq))
 
     def _prefill(self, seq: Sequence, emit: OnEvent) -> None:
         logits = self.runner.prefill(seq.prompt_ids, self.blocks.table(seq.rid))
@@ -152,6 +160,8 @@ class BatchEngine:
     def _finish_event(self, seq: Sequence) -> FinishEvent:
         assert seq.finish_reason is not None
         self._texts.pop(seq.rid, None)
+        with self._ids_lock:
+            self._known.discard(seq.rid)  # the id may be used again once its request is over
         self.finished[seq.finish_reason] += 1
         return FinishEvent(seq.rid, seq.finish_reason, Usage(seq.num_prompt, seq.num_output), time.perf_counter())
 
@@ -181,15 +191,15 @@ class BatchEngine:
                                 f"blocks, more than the whole cache ({self.blocks.num_blocks})")
 
     def _claim_id(self, request_id: str | None) -> str:
+        """Check the waiting limit and take a unique id; the caller holds ``_ids_lock``."""
         limit = self.config.max_waiting
-        with self._ids_lock:
-            if limit is not None and len(self.scheduler.waiting) + self.inbox.count_submits() >= limit:
-                raise QueueFull(f"{limit} requests are already waiting for a slot")
-            rid = request_id or f"req-{secrets.token_hex(6)}"
-            if not isinstance(rid, str) or rid in self._known:
-                raise InvalidRequest(f"request_id {rid!r} is already in use")
-            self._known.add(rid)
-            return rid
+        if limit is not None and len(self.scheduler.waiting) + self.inbox.count_submits() >= limit:
+            raise QueueFull(f"{limit} requests are already waiting for a slot")
+        rid = request_id or f"req-{secrets.token_hex(6)}"
+        if not isinstance(rid, str) or rid in self._known:
+            raise InvalidRequest(f"request_id {rid!r} is already in use")
+        self._known.add(rid)
+        return rid
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

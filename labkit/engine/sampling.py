@@ -25,7 +25,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Pick a token id from a float32 ``(vocab,)`` row: argmax when greedy, else temperature + top-p."""
     if params.greedy:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    logits = logits.float()
+    # Shift the best logit to 0 before dividing: a tiny temperature then sends the others to
+    # -inf (probability 0) instead of overflowing every entry to inf and the softmax to NaN.
+    probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
     if params.top_p < 1.0:
         probs = _top_p(probs, params.top_p)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -32,6 +32,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator accepts
+            raise ValueError(f"seed must lie in [-2**63, 2**64), got {self.seed}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
 
@@ -73,7 +75,11 @@ class Sequence:
 
     @property
     def reservation(self) -> int:
-        """Token slots this request can ever need: reserved whole at admission."""
+        """Token slots reserved whole at admission: prompt + max_new_tokens.
+
+        One more than the cache will ever hold (the last token is sampled, never fed back), kept
+        so that one number, the one clients reason with, appears in every check.
+        """
         return self.num_prompt + self.params.max_new_tokens
 
     @property

@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from labkit.service import lab, openai, resume, streaming
-from labkit.service.errors import error_response, install_error_handlers
+from labkit.service.errors import BodyLimit, error_response, install_error_handlers
 from labkit.service.state import Service
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,6 +41,7 @@ def build_app(engine: Any, hub: Any, config: ServiceConfig) -> FastAPI:
             await service.aclose()
 
     app = FastAPI(title="labkit streamlab", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     app.state.service = service
     install_error_handlers(app, config.retry_after_s)
     for module in (streaming, openai, resume, lab):

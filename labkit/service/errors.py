@@ -12,13 +12,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from labkit.errors import InvalidRequest, LabkitError, PromptTooLong, QueueFull
 from labkit.hub import Draining
 from labkit.schema import ERROR_TYPES, error_envelope
 
-HTTP_ONLY_TYPES = frozenset({"not_found", "gone", "method_not_allowed", "http_error"})
+HTTP_ONLY_TYPES = frozenset({"not_found", "gone", "method_not_allowed", "payload_too_large", "http_error"})
 
 
 class ServiceError(LabkitError):
@@ -39,6 +41,39 @@ def envelope(type: str, message: str) -> dict[str, Any]:
 
 def error_response(status: int, type: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(envelope(type, message), status_code=status, headers=headers)
+
+
+class BodyLimit:
+    """413 in the envelope for a request body over ``limit`` bytes, before any route reads it.
+
+    A declared ``Content-Length`` is refused before a byte of the body is read; a chunked body is
+    counted as it arrives. (Starlette's own limit answers in plain text, hence this one.)
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isascii() and declared.isdigit() and int(declared) > self.limit:
+            return await error_response(413, "payload_too_large", self._message())(scope, receive, send)
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # re-raised by FastAPI's body reader, enveloped by on_http
+                    raise StarletteHTTPException(413, self._message())
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _message(self) -> str:
+        return f"the request body is larger than {self.limit} bytes"
 
 
 def as_service_error(exc: Exception, retry_after_s: int = 1) -> ServiceError:
@@ -77,9 +112,14 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         return error_response(err.status, err.type, err.message, err.headers)
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        kind = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code, "http_error")
         return error_response(exc.status_code, kind, str(exc.detail), getattr(exc, "headers", None))
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not a refusal: still answered in the envelope (Starlette logs the traceback).
+        return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(LabkitError, on_labkit)
     app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

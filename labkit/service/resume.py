@@ -185,9 +185,11 @@ def parse_cursor(last_event_id: str | None, after: str | None) -> int:
     raw = last_event_id if last_event_id not in (None, "") else after
     if raw is None or raw == "":
         return 0
-    if not raw.strip().isdigit():
-        raise ServiceError(422, "invalid_request", f"event id must be a non-negative integer, got {raw!r}")
-    return int(raw)
+    digits = raw.strip()
+    # isdigit() alone would pass "²" and other digits int() refuses; 18 digits outnumber any log
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > 18:
+        raise ServiceError(422, "invalid_request", f"event id must be a non-negative integer, got {raw[:40]!r}")
+    return int(digits)
 
 
 @router.get("/v1/streams/{request_id}/events")
