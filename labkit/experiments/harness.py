@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 import pandas as pd
 
 from labkit.experiments.common import serving
-from labkit.experiments.rawhttp import ChunkedDecoder, RawConnection
+from labkit.experiments.rawhttp import ChunkedDecoder, RawConnection, recorded
 from labkit.experiments.records import EventSplitter, LeaveBy, StreamResult
 from labkit.prompts import PROMPTS
 
@@ -54,7 +54,7 @@ async def read_stream(url: str, body: dict[str, Any], *, sleep: float = 0.0, rea
     conn = RawConnection(url)
     result = result or StreamResult(sent=0.0)
     result.sent = time.perf_counter()
-    try:
+    with recorded(conn, result):
         await conn.connect()
         result.sent = time.perf_counter()
         await conn.send_post("/v1/stream", body)
@@ -65,11 +65,6 @@ async def read_stream(url: str, body: dict[str, Any], *, sleep: float = 0.0, rea
             conn.leave(leave_by)
             if leave_by == "fin":
                 result.drained_bytes = await conn.drain(drain_after_fin_s)
-    except (OSError, ConnectionError, asyncio.TimeoutError, ValueError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        conn.close()
-        result.ended = result.ended or time.perf_counter()
     return result
 
 

@@ -10,10 +10,11 @@ transfer encoding to recover the SSE bytes, and reports in the same :class:`Stre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
-from typing import Any
+from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 from labkit.experiments.client import leave_socket
@@ -134,6 +135,19 @@ class RawConnection:
             self.sock.close()
 
 
+@contextlib.contextmanager
+def recorded(conn: RawConnection, result: StreamResult) -> Iterator[None]:
+    """Write a network failure into ``result.error`` instead of raising; always close ``conn``
+    and stamp ``result.ended``, so a client's record is complete however its stream went."""
+    try:
+        yield
+    except (OSError, ConnectionError, asyncio.TimeoutError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+        result.ended = result.ended or time.perf_counter()
+
+
 async def raw_stream(base_url: str, body: dict[str, Any], *, path: str = "/v1/stream", read: bool = True,
                      leave_after_tokens: int | None = None, leave_after_s: float | None = None,
                      leave_by: LeaveBy = "fin", rcvbuf: int | None = None, drain_after_fin_s: float = 2.0,
@@ -148,7 +162,7 @@ async def raw_stream(base_url: str, body: dict[str, Any], *, path: str = "/v1/st
         raise ValueError("a client that never reads needs leave_after_s")
     conn = RawConnection(base_url, rcvbuf)
     result = StreamResult(sent=time.perf_counter())
-    try:
+    with recorded(conn, result):
         await conn.connect()
         result.sent = time.perf_counter()
         await conn.send_post(path, body)
@@ -161,11 +175,6 @@ async def raw_stream(base_url: str, body: dict[str, Any], *, path: str = "/v1/st
             result.error = f"TimeoutError: no end within {timeout} s"
         if result.ended is None:
             await _leave(conn, result, leave_by, drain_after_fin_s)
-    except (OSError, ConnectionError, asyncio.TimeoutError, ValueError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        conn.close()
-        result.ended = result.ended or time.perf_counter()
     return result
 
 
