@@ -9,9 +9,12 @@ is) and once left to size its own. Each request makes exactly ``new_tokens`` unl
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import pandas as pd
 import torch
@@ -67,9 +70,30 @@ def _engine_step_ms(loaded: LoadedModel, prompts: list[list[int]], cfg: StepBenc
     return 1000 * statistics.median(times[cfg.warmup :])
 
 
+@contextlib.contextmanager
+def _in_dtype(loaded: LoadedModel, dtype: str) -> Iterator[torch.nn.Module]:
+    """The transformers model in ``dtype`` for one measurement.
+
+    Another dtype gets a copy: casting the loaded model down and back would round its float32
+    weights for everyone who uses it afterwards.
+    """
+    if dtype == "float32":
+        yield loaded.model
+        return
+    model = copy.deepcopy(loaded.model).to(getattr(torch, dtype))
+    try:
+        yield model
+    finally:
+        del model
+
+
 @torch.inference_mode()
 def _bare_forward_ms(loaded: LoadedModel, prompts: list[list[int]], cfg: StepBench) -> float:
-    model = loaded.model if cfg.dtype == "float32" else loaded.model.to(getattr(torch, cfg.dtype))
+    with _in_dtype(loaded, cfg.dtype) as model:
+        return _time_bare_forward(model, prompts, cfg)
+
+
+def _time_bare_forward(model: torch.nn.Module, prompts: list[list[int]], cfg: StepBench) -> float:
     ids = torch.tensor(prompts)
     out = model(input_ids=ids, use_cache=True)
     cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
@@ -80,8 +104,6 @@ def _bare_forward_ms(loaded: LoadedModel, prompts: list[list[int]], cfg: StepBen
         nxt = out.logits[:, -1:].argmax(-1)
         times.append(time.perf_counter() - t0)
         cache = out.cache
-    if cfg.dtype != "float32":
-        loaded.model.to(torch.float32)
     return 1000 * statistics.median(times[cfg.warmup :])
 
 
@@ -137,10 +159,11 @@ def _generate_batch_run(loaded: LoadedModel, prompts: list[str], cfg: GenerateBe
     sizing = ContinuousBatchingConfig(
         page_size=page, num_blocks=sum(-(-(len(ids) + cfg.new_tokens) // page) for ids in inputs),
         max_batch_tokens=sum(map(len, inputs)) + len(inputs), max_requests_per_batch=len(inputs))
-    t0 = time.perf_counter()
-    outputs = loaded.model.generate_batch(inputs, generation_config=gen,
-                                          continuous_batching_config=sizing if sized else None)
-    elapsed = time.perf_counter() - t0
+    with _in_dtype(loaded, cfg.dtype) as model:
+        t0 = time.perf_counter()
+        outputs = model.generate_batch(inputs, generation_config=gen,
+                                       continuous_batching_config=sizing if sized else None)
+        elapsed = time.perf_counter() - t0
     # generate_batch keys its results by request id; the ids it makes count up in submission order
     ordered = [outputs[key].generated_tokens for key in sorted(outputs, key=_request_number)]
     return elapsed, [list(tokens) for tokens in ordered]

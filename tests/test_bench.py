@@ -1,4 +1,6 @@
 """The benchmarks run end to end on a tiny model and report what they promise (no timing asserted)."""
+import torch
+
 from engine_helpers import solo, with_eos
 from labkit.bench import GenerateBench, StepBench, bench_generate, bench_step
 from labkit.prompts import PROMPTS
@@ -26,3 +28,12 @@ def test_generate_bench_can_let_requests_end_on_eos(tiny_gpt2):
     cfg = GenerateBench(model="tiny-gpt2", requests=1, new_tokens=6, with_generate_batch=False, ignore_eos=False)
     table = bench_generate(cfg, with_eos(tiny_gpt2, free_run[1]))
     assert (table.tokens == free_run.index(free_run[1]) + 1).all()
+
+
+def test_benches_in_bfloat16_leave_the_loaded_float32_weights_untouched(tiny_gpt2):
+    before = {name: p.clone() for name, p in tiny_gpt2.model.named_parameters()}
+    bench_step(StepBench(model="tiny-gpt2", batches=(2,), context=16, steps=2, warmup=1, dtype="bfloat16"), tiny_gpt2)
+    cfg = GenerateBench(model="tiny-gpt2", requests=2, new_tokens=3, dtype="bfloat16", with_self_sized=False)
+    assert (bench_generate(cfg, tiny_gpt2).tokens == 2 * 3).all()
+    after = dict(tiny_gpt2.model.named_parameters())
+    assert all(p.dtype == torch.float32 and torch.equal(p, after[name]) for name, p in before.items())
