@@ -204,9 +204,11 @@ class BatchEngine:
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         sched = self.scheduler
+        with self._ids_lock:  # a step may be moving submits from the inbox to the waiting list
+            waiting = len(sched.waiting) + self.inbox.count_submits()
         return {
             "running": len(sched.running),
-            "waiting": len(sched.waiting) + self.inbox.count_submits(),
+            "waiting": waiting,
             "paused": sum(1 for s in list(sched.live.values()) if s.paused),
             "free_blocks": self.blocks.num_free,
             "reserved_blocks": self.blocks.num_held,
