@@ -25,7 +25,7 @@ from typing import Any
 import pandas as pd
 
 from labkit.experiments.client import async_client, run_sync
-from labkit.experiments.common import Profile, Progress, serving, tick
+from labkit.experiments.common import Profile, Progress, doing, serving, tick
 from labkit.experiments.rawhttp import RawConnection
 
 NAME = "buffers"
@@ -64,8 +64,9 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
     with serving(server, **server_options(config)) as srv:
         for size in config.event_sizes:
             for rep in range(config.repetitions):
+                doing(progress, f"{size:,}-byte events, repetition {rep + 1}/{config.repetitions}")
                 rows.append({"event_bytes": size, "repetition": rep, **run_sync(flood_once(srv.url, size, config))})
-                tick(progress)
+                tick(progress, floods=rows)
     floods = pd.DataFrame(rows)
     return {"floods": floods, "by_size": by_size(floods), "kernel": kernel_settings()}
 

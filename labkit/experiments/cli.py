@@ -6,7 +6,6 @@ else here is also usable from Python as :func:`run_experiment`.
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import pandas as pd
 
 from labkit.experiments import EXPERIMENTS, load, names
 from labkit.experiments.common import PROFILES, Profile, get_profile, save_run
+from labkit.experiments.progress import measuring
 
 __all__ = ["add_run_arguments", "run_from_args", "run_experiment", "Outcome"]
 
@@ -62,20 +62,12 @@ def run_experiment(name: str, profile: Profile | None = None, *, figures: bool =
     config = module.Config.for_profile(profile)
     if overrides:
         config = replace(config, **overrides)
-    started = time.perf_counter()
-    with _progress_bar(name, module, config, show_progress) as bar:
-        tables = module.run(config, progress=bar)
-    elapsed = time.perf_counter() - started
+    with measuring(module, config, profile, show=show_progress) as progress:
+        tables = module.run(config, progress=progress)
+    elapsed = progress.elapsed_s
     written = save_run(module, config, profile, tables, elapsed, figures=None if figures else [])
     _close_figures()
     return Outcome(name, tables, written["csvs"], written["figures"], written["results"], elapsed)
-
-
-def _progress_bar(name: str, module: Any, config: Any, show: bool):
-    from tqdm.auto import tqdm
-
-    total = module.units(config) if hasattr(module, "units") else None
-    return tqdm(total=total, desc=name, unit="step", disable=not show, leave=True)
 
 
 def _close_figures() -> None:

@@ -1,9 +1,11 @@
 """What every experiment shares: profiles, where results go, and what a results file records.
 
 Two profiles. ``ci`` runs the tiny random GPT-2 with few repetitions, so the whole set finishes
-in a few minutes and tests and notebooks can run it on every change. ``full`` runs the embedded
-SmolLM2-135M at the chapter's sizes; its outputs are what the notebooks are committed with.
-``LABKIT_PROFILE`` picks the profile wherever no one passes one.
+in a few minutes and tests can run it on every change. ``full`` runs the embedded SmolLM2-135M
+at the chapter's sizes; its outputs are what the notebooks are committed with. ``LABKIT_PROFILE``
+picks the profile wherever no one passes one; where it is unset, the notebooks run ``full`` (a
+reader opening one wants the real model) and ``labkit run`` runs ``ci`` (a quick look from the
+shell; ``--profile full`` for the real thing). Either way the chosen profile is printed first.
 
 Where results go: a ``full`` run writes ``data/<experiment>/*.csv``, ``data/<experiment>/
 results.json`` and ``figures/*.png`` at the repository root. A ``ci`` run writes the same tree
@@ -27,7 +29,7 @@ import pandas as pd
 
 __all__ = [
     "PROFILES", "Profile", "get_profile", "repo_root", "environment", "write_tables", "write_results",
-    "serving", "Progress", "tick", "setup_notebook", "save_run",
+    "serving", "Progress", "tick", "doing", "save_run", "partial_dir",
 ]
 
 PROFILES = ("ci", "full")
@@ -69,9 +71,9 @@ class Profile:
         return self.out_root / "figures"
 
 
-def get_profile(name: str | None = None, model: str | None = None) -> Profile:
-    """``name`` or else ``LABKIT_PROFILE`` or else ``ci``; ``model`` overrides the profile's model."""
-    chosen = name or os.environ.get("LABKIT_PROFILE") or "ci"
+def get_profile(name: str | None = None, model: str | None = None, default: str = "ci") -> Profile:
+    """``name`` or else ``LABKIT_PROFILE`` or else ``default``; ``model`` overrides the profile's model."""
+    chosen = name or os.environ.get("LABKIT_PROFILE") or default
     return Profile(chosen, model or "")
 
 
@@ -191,6 +193,8 @@ def save_run(module: Any, config: Any, profile: Profile, tables: dict[str, pd.Da
     ``figures`` are the ones ``module.plot`` already drew (a notebook shows them first); None
     draws them here. Returns the paths written, under ``csvs``, ``figures`` and ``results``.
     """
+    import shutil
+
     from labkit.plots import savefig
 
     csvs = write_tables(module.NAME, tables, profile)
@@ -199,6 +203,7 @@ def save_run(module: Any, config: Any, profile: Profile, tables: dict[str, pd.Da
     summary = module.summary(tables) if hasattr(module, "summary") else {}
     results = write_results(module.NAME, profile, config=config, elapsed_s=elapsed_s, tables=tables,
                             figures=pngs, summary=summary)
+    shutil.rmtree(partial_dir(module.NAME, profile), ignore_errors=True)  # the whole run replaces it
     return {"csvs": csvs, "figures": pngs, "results": results}
 
 
@@ -206,15 +211,32 @@ def save_run(module: Any, config: Any, profile: Profile, tables: dict[str, pd.Da
 
 
 class Progress(Protocol):
-    """What an experiment reports progress to: a tqdm bar, or nothing."""
+    """What an experiment reports progress to: a tqdm bar, a :class:`~labkit.experiments.progress.RunProgress`
+    (which also keeps the rows measured so far), or nothing."""
 
     def update(self, n: int = 1) -> Any: ...
 
 
-def tick(progress: Progress | None, n: int = 1) -> None:
-    """Advance ``progress`` if there is one: experiments call this after each unit of work."""
-    if progress is not None:
-        progress.update(n)
+def doing(progress: Progress | None, what: str) -> None:
+    """Name the unit of work about to start (condition, repetition) on ``progress``'s bar."""
+    if progress is not None and hasattr(progress, "set_postfix_str"):
+        progress.set_postfix_str(what)
+
+
+def tick(progress: Progress | None, n: int = 1, **measured: Any) -> None:
+    """Advance ``progress`` after a unit of work; ``measured`` (table name -> rows so far, a list of
+    dicts or a DataFrame) is kept on disk by a progress that can, so a later crash loses no more
+    than the unit in flight."""
+    if progress is None:
+        return
+    if measured and hasattr(progress, "keep"):
+        progress.keep(**measured)  # on disk first: an interrupt may come at any moment after
+    progress.update(n)
+
+
+def partial_dir(name: str, profile: Profile) -> Path:
+    """Where a run in progress keeps its finished conditions: ``<data>/<name>/partial/``."""
+    return profile.data_dir / name / "partial"
 
 
 @contextlib.contextmanager
@@ -231,23 +253,3 @@ def serving(server: Any = None, **options: Any) -> Iterator[Any]:
 
     with serve_in_thread(**options) as started:
         yield started
-
-
-def setup_notebook(profile: str | None = None) -> Profile:
-    """The one setup cell: profile from ``LABKIT_PROFILE``, threads, plot and table defaults."""
-    import logging
-
-    import torch
-
-    from labkit.plots import apply_style
-
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    apply_style()
-    pd.set_option("display.width", 140)
-    pd.set_option("display.max_columns", 30)
-    pd.set_option("display.precision", 3)
-    logging.getLogger("uvicorn").setLevel(logging.WARNING)
-    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
-    chosen = get_profile(profile)
-    print(f"profile: {chosen.name}, model: {chosen.model}")
-    return chosen

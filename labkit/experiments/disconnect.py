@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from labkit.experiments.client import run_sync
-from labkit.experiments.common import Profile, Progress, tick
+from labkit.experiments.common import Profile, Progress, doing, tick
 from labkit.experiments.harness import (
     beside, bodies, loaded_model, long_prompts, read_stream, server_checks, server_like, span, wait_released)
 from labkit.experiments.rawhttp import raw_stream
@@ -96,8 +96,9 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
             for moment in config.moments:
                 for first in range(0, config.repetitions, config.at_once):
                     reps = range(first, min(first + config.at_once, config.repetitions))
+                    doing(progress, f"{kind}: leave {moment}, repetitions {reps.start + 1}-{reps.stop}/{config.repetitions}")
                     rows += run_sync(trial_group(srv, config, prompts, kind, moment, list(reps)))
-                    tick(progress)
+                    tick(progress, trials=rows)
             checks.append({"response_class": kind, **release_books(srv, before), **server_checks(srv)})
     trials = pd.DataFrame(rows)
     return {"trials": trials, "by_moment": by_moment(trials), "checks": pd.DataFrame(checks)}
@@ -247,7 +248,23 @@ def report(tables: dict[str, pd.DataFrame]) -> str:
         released = "one release per admitted stream" if row.releases == row.admitted else "RELEASES != ADMITTED"
         lines.append(f"{row.response_class}: {whole}; {once}; {released}; {row.open_streams} streams open, "
                      f"{row.running} running, {row.waiting} waiting")
-    return "\n".join(lines)
+    return "\n".join(lines + _behaviour(tables["trials"]))
+
+
+def _behaviour(trials: pd.DataFrame) -> list[str]:
+    """What each response class must do, on any machine: the listener never admits a request whose
+    client left while it waited; the write-only class generates every stream to its limit."""
+    listening, writing = (trials[trials.response_class == kind] for kind in CLASSES)
+    waited = listening[listening.moment == "waiting"]
+    lines = []
+    if len(waited):
+        lines.append("starlette: a client that left while waiting was never admitted: "
+                     + ("yes" if not waited.ever_admitted.any() else f"NOT ({int(waited.ever_admitted.sum())} were)"))
+    if len(writing):
+        short = int((writing.engine_finish != "length").sum())
+        lines.append("write_only: every stream generated to its limit after its client left: "
+                     + ("yes" if short == 0 else f"NOT ({short} ended early)"))
+    return lines
 
 
 def plot(tables: dict[str, pd.DataFrame]) -> list:

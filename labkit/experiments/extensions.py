@@ -26,7 +26,7 @@ import pandas as pd
 
 from labkit.experiments import overlap, slowclient
 from labkit.experiments.client import async_client, run_sync
-from labkit.experiments.common import Profile, Progress, tick
+from labkit.experiments.common import Profile, Progress, doing, tick
 from labkit.experiments.harness import (
     Leave, Sampler, beside, bodies, loaded_model, long_prompts, read_stream, server_like, span, stream_body,
     wait_released)
@@ -92,11 +92,13 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
     with server_like(server, model, **_settings(config)) as srv:
         run_sync(generate(srv.url, [stream_body(0, 2)], together=False))  # warm-up: the first request is slower
         delivery = overlap.measure_delivery(srv, _delivery_config(config), progress)
+        doing(progress, "resuming with Last-Event-ID")
         resume = run_sync(measure_resume(srv, config))
         tick(progress)
         identity = measure_identity(srv, streams=config.identity_streams, tokens=config.identity_tokens,
                                     temperature=config.temperature, top_p=config.top_p, seed=config.seed,
                                     progress=progress)
+    doing(progress, "eager formatting")
     eager, eager_line, paced = measure_eager(model, config)
     tick(progress)
     saturation, timeline = measure_full_batch(model, replace(config, slow=paced), progress)
@@ -121,13 +123,14 @@ def measure_full_batch(model: Any, config: Config, progress: Progress | None) ->
     runs += [("pause_then_drop", t, f"pause_then_drop {t:g} s") for t in config.stall_timeouts]
     rows, lines = [], []
     for policy, stall, label in runs:
+        doing(progress, f"{label} under a full batch")
         cfg = replace(slow, stall_timeout=stall)
         settings = slowclient.server_settings(cfg, policy, max_batch=cfg.saturation_batch)
         with server_like(None, model, **settings) as srv:
             row, line = measure_saturation(srv, slowclient.saturation_config(cfg), prompts, label)
         rows.append({**row, "stall_timeout_s": stall if policy != "pause" else np.inf})
         lines.append(line)
-        tick(progress)
+        tick(progress, saturation=rows)
     return pd.DataFrame(rows), pd.concat(lines, ignore_index=True)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from labkit.experiments.client import async_client, run_sync
-from labkit.experiments.common import Progress, tick
+from labkit.experiments.common import Progress, doing, tick
 from labkit.experiments.harness import server_like, stream_body
 from labkit.experiments.isolation import first_difference, reference_logits
 from labkit.prompts import PROMPTS
@@ -32,9 +32,11 @@ def measure_identity(srv: Any, *, streams: int, tokens: int, temperature: float,
     n = streams
     greedy = [stream_body(i, tokens) for i in range(n)]
     sampled = [stream_body(i, tokens, temperature=temperature, top_p=top_p, seed=seed + i) for i in range(n)]
+    doing(progress, f"identity: {n} streams sampled, alone and all at once")
     f32 = run_sync(generate(srv.url, greedy, together=False))
     sampled_solo, sampled_all = (run_sync(generate(srv.url, sampled, together=t)) for t in (False, True))
     tick(progress)
+    doing(progress, f"identity: {n} streams in bfloat16, alone and all at once")
     with server_like(None, srv.engine.model, dtype="bfloat16", max_batch=n, policy="unbounded") as bf16:
         bf16_solo, bf16_all = (run_sync(generate(bf16.url, greedy, together=t)) for t in (False, True))
     tick(progress)

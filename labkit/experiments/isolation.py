@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from labkit.experiments.client import launch_in_turn, launch_streams, run_sync
-from labkit.experiments.common import Profile, Progress, serving, tick
+from labkit.experiments.common import Profile, Progress, doing, serving, tick
 from labkit.prompts import PROMPTS
 
 NAME = "isolation"
@@ -57,15 +57,17 @@ def bodies(config: Config, n: int) -> list[dict[str, Any]]:
 
 def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
     with serving(server, **server_options(config)) as srv:
+        doing(progress, f"solo reference runs of {max(config.levels)} prompts")
         solo = run_sync(launch_in_turn(srv.url, bodies(config, max(config.levels))))
         tick(progress)
         solo_ids = [r.token_ids for r in solo.results]
         rows = []
         for level in config.levels:
             for rep in range(config.repetitions):
+                doing(progress, f"{level} streams at once, repetition {rep + 1}/{config.repetitions}")
                 launch = run_sync(launch_streams(srv.url, bodies(config, level)))
                 rows += [_compare(level, rep, i, r.token_ids, solo_ids[i], r.error) for i, r in enumerate(launch.results)]
-                tick(progress)
+                tick(progress, streams=rows)
         streams = pd.DataFrame(rows)
         streams = add_margins(streams, srv.engine.model, solo_ids)
     return {"streams": streams, "levels": levels_table(streams)}

@@ -19,7 +19,7 @@ from typing import Any
 import pandas as pd
 
 from labkit.experiments.client import run_sync
-from labkit.experiments.common import Profile, Progress, tick
+from labkit.experiments.common import Profile, Progress, doing, tick
 from labkit.experiments.disconnect import CLASSES, books, release_books
 from labkit.experiments.harness import (
     beside, loaded_model, long_prompts, read_stream, server_checks, server_like, stream_body, wait_released)
@@ -110,6 +110,7 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
     for kind in config.response_classes:
         with server_like(server, model, **_settings(config, kind)) as srv:
             before = books(srv)
+            doing(progress, f"{kind}: {len(clients)} streams, {config.concurrency} at a time")
             t0 = time.perf_counter()
             results = run_sync(run_clients(srv.url, config, clients, prompts))
             records = run_sync(wait_released(srv.hub, [r.request_id for r in results], timeout=config.timeout))
@@ -117,7 +118,7 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
             rows += [stream_row(kind, c, r, rec) for c, r, rec in zip(clients, results, records)]
             outcomes.append({"response_class": kind, "total_s": elapsed, **server_checks(srv),
                              **release_books(srv, before)})
-            tick(progress)
+            tick(progress, streams=rows, outcome=outcomes)
     streams = pd.DataFrame(rows)
     return {"streams": streams, "outcome": outcome_table(pd.DataFrame(outcomes), streams)}
 
@@ -199,7 +200,8 @@ def report(tables: dict[str, pd.DataFrame]) -> str:
         ok = {"cache whole": bool(row.cache_whole), "nothing reserved": row.held_blocks == 0,
               "nothing running or waiting": row.running == 0 and row.waiting == 0,
               "no stream registered": row.open_streams == 0, "each stream finished once": row.finished == row.streams,
-              "one release per admitted stream": row.releases == row.admitted, "no hub error": row.hub_errors == 0}
+              "one release per admitted stream": row.releases == row.admitted, "no hub error": row.hub_errors == 0,
+              "no stream cut short": row.cut == 0, "no client error": row.client_errors == 0}
         failed = [name for name, good in ok.items() if not good]
         lines.append(f"{row.response_class}: " + ("; ".join(ok) if not failed else "FAILED: " + "; ".join(failed)))
     return "\n".join(lines)

@@ -26,7 +26,7 @@ import pandas as pd
 
 from labkit.experiments.client import (
     Launch, StreamResult, async_client, launch_in_turn, launch_streams, percentiles, run_sync, timed_stream)
-from labkit.experiments.common import Profile, Progress, serving, tick
+from labkit.experiments.common import Profile, Progress, doing, serving, tick
 from labkit.prompts import PROMPTS
 
 NAME = "overlap"
@@ -79,6 +79,7 @@ def _body(prompt: str, tokens: int) -> dict[str, Any]:
 def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
     with serving(server, **server_options(config)) as srv:
         solo, levels = measure_levels(srv.url, config, progress)
+        doing(progress, "decode-step cost by batch size")
         step_cost = measure_step_cost(srv.engine.model, config)
         tick(progress)
         joiners = measure_joiners(srv.url, config, progress)
@@ -92,15 +93,17 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
 
 def measure_levels(url: str, config: Config, progress: Progress | None) -> tuple[pd.DataFrame, pd.DataFrame]:
     bodies = [_body(p, config.max_new_tokens) for p in PROMPTS[: max(config.levels)]]
+    doing(progress, f"solo reference runs of {len(bodies)} prompts")
     solo = run_sync(launch_in_turn(url, bodies))
     tick(progress)
     rows = []
     for level in config.levels:
         back_to_back = sum(r.duration or 0.0 for r in solo.results[:level])
         for rep in range(config.repetitions):
+            doing(progress, f"{level} streams at once, repetition {rep + 1}/{config.repetitions}")
             rows.append({"level": level, "repetition": rep, **launch_row(run_sync(launch_streams(url, bodies[:level]))),
                          "back_to_back_s": back_to_back})
-            tick(progress)
+            tick(progress, levels=rows)
     levels = pd.DataFrame(rows)
     levels["speedup"] = levels.back_to_back_s / levels.makespan_s
     return _solo_table(solo), levels
@@ -150,8 +153,9 @@ def measure_joiners(url: str, config: Config, progress: Progress | None) -> pd.D
     rows = []
     for background in config.backgrounds:
         offsets = sorted(rng.uniform(*config.joiner_window) for _ in range(config.joiners))
+        doing(progress, f"{config.joiners} late joiners beside {background} running streams")
         rows += run_sync(_joiner_round(url, config, background, offsets))
-        tick(progress)
+        tick(progress, joiners=rows)
     return pd.DataFrame(rows)
 
 
@@ -206,10 +210,11 @@ def measure_delivery(srv: Any, config: Config, progress: Progress | None) -> pd.
         options = {**server_options(config), "model": srv.engine.model, "first_token": mode}
         with serving(given, **options) as server:
             for rep in range(config.repetitions):
+                doing(progress, f"first token at {mode}, repetition {rep + 1}/{config.repetitions}")
                 launch = run_sync(launch_streams(server.url, bodies))
                 rows += [{"mode": mode, "repetition": rep, "stream": i, "ttft_s": r.ttft, "error": r.error}
                          for i, r in enumerate(launch.results)]
-                tick(progress)
+                tick(progress, delivery=rows)
     return pd.DataFrame(rows)
 
 
@@ -242,6 +247,21 @@ def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
         "joiners_ttft_p50_s": joiners_table(tables["joiners"]).set_index("background").ttft_p50_s.to_dict(),
         "delivery_ttft_p50_s": delivery_table(tables["delivery"]).set_index("mode").ttft_p50_s.to_dict(),
     }
+
+
+def report(tables: dict[str, pd.DataFrame]) -> str:
+    """Stable lines for a checked cell: what must hold whatever the timings (greedy decoding makes
+    each level's token count the same in every repetition; no stream may fail)."""
+    levels = tables["levels"]
+    failed = int(levels.errors.sum())
+    varying = [int(level) for level, g in levels.groupby("level") if g.tokens.nunique() > 1]
+    missing = int(tables["joiners"].ttft_s.isna().sum() + tables["delivery"].ttft_s.isna().sum())
+    return "\n".join([
+        "streams at every level ended without error: " + ("yes" if failed == 0 else f"NOT: {failed} errors"),
+        "each level produced the same tokens in every repetition: "
+        + ("yes" if not varying else f"NOT at levels {varying}"),
+        "every late joiner and every delivery stream got a first token: "
+        + ("yes" if missing == 0 else f"NOT: {missing} did not")])
 
 
 def plot(tables: dict[str, pd.DataFrame]) -> list:

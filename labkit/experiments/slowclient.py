@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from labkit.experiments.client import percentiles, run_sync
-from labkit.experiments.common import Profile, Progress, tick
+from labkit.experiments.common import Profile, Progress, doing, tick
 from labkit.experiments.harness import (
     beside, bodies, launch_readers, loaded_model, long_prompts, server_checks, server_like, span, wait_released)
 from labkit.experiments.records import StreamResult
@@ -114,19 +114,21 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
         with server_like(server, model, **server_settings(config, policy, sndbuf=sndbuf)) as srv:
             served: list[dict[str, Any]] = []
             for k in group:
+                doing(progress, f"{policy}: {k} slow of {config.streams} readers")
                 more, queue = measure_mix(srv, config, prompts, policy, k, sndbuf)
                 served, samples = served + more, samples + [queue]
                 config = paced(config, more) if k == 0 else config
-                tick(progress)
+                tick(progress, streams=rows + served)
             rows += served
             checks.append(_check(srv, policy, "slow readers", served))
     saturation, timeline = [], []
     for policy in config.saturation_policies:
+        doing(progress, f"{policy} under a full batch")
         with server_like(server, model, **server_settings(config, policy, max_batch=config.saturation_batch)) as srv:
             row, line = measure_saturation(srv, saturation_config(config), prompts, policy)
             saturation, timeline = saturation + [row], timeline + [line]
             checks.append(_check(srv, policy, "full batch", []))
-            tick(progress)
+            tick(progress, saturation=saturation, checks=checks)
     streams, queues = pd.DataFrame(rows), _concat(samples)
     return {"streams": streams, "grid": grid_table(streams), "queues": queues, "eager": eager_table(streams, queues),
             "saturation": pd.DataFrame(saturation), "timeline": _concat(timeline),
@@ -320,6 +322,13 @@ def report(tables: dict[str, pd.DataFrame]) -> str:
     lines = [f"{'every' if bad.empty else 'NOT every'} server ended with its cache whole and no stream open, "
              f"and every client was told how its stream ended (done or error)"]
     lines += [f"  failed: {row.policy}, {row.part} ({row.what or 'streams open or cut'})" for _, row in bad.iterrows()]
+    healthy = tables["streams"][tables["streams"].role == "healthy"]
+    cut = int(((healthy.end != "length") | healthy.error.notna()).sum())
+    lines.append("every healthy reader got its whole stream and a normal end, whatever the policy: "
+                 + ("yes" if cut == 0 else f"NOT ({cut} of {len(healthy)} did not)"))
+    if len(tables["saturation"]):
+        failed = int(tables["saturation"].fast_errors.sum())
+        lines.append("under a full batch no fast reader failed: " + ("yes" if failed == 0 else f"NOT ({failed} did)"))
     return "\n".join(lines)
 
 

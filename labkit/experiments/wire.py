@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 
 from labkit.experiments.client import StreamResult, async_client, run_sync, timed_stream
-from labkit.experiments.common import Profile, Progress, serving, tick
+from labkit.experiments.common import Profile, Progress, doing, serving, tick
 from labkit.prompts import PROMPTS
 
 NAME = "wire"
@@ -61,6 +61,7 @@ def units(config: Config) -> int:
 
 
 def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
+    doing(progress, f"{config.prompts} prompts, each streamed and answered as JSON")
     with serving(server, **server_options(config)) as srv:
         rows = run_sync(_measure(srv.url, config, progress))
     events = _event_sizes(rows)  # takes each row's per-event list out before the table is built
