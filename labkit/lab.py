@@ -1,8 +1,11 @@
 """``make lab``: run every notebook in place, regenerating its outputs, data/ and figures/.
 
-Notebooks are executed with nbclient in a kernel of this interpreter, one after another, under
-the profile in ``LABKIT_PROFILE`` (``full`` unless told otherwise), so the committed notebooks
-always show the outputs of the last full run.
+Notebooks are executed with nbclient in a kernel of this interpreter, one after another. The
+profile reaches them from outside, never by editing them: ``LABKIT_PROFILE`` is set for the
+kernel, and each notebook's parameters cell reads it (``full`` unless told otherwise). The
+committed notebooks therefore always show the outputs of the last full run. Each notebook's
+duration is printed at the end and kept in ``<data>/durations.csv``, from which every notebook
+states how long it takes.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ NOTEBOOKS = ROOT / "notebooks"
 
 
 def run_notebook(path: Path, timeout: int) -> float:
+    """Execute ``path`` in place; the seconds it took. The source cells are not touched, so the
+    paired ``.py`` stays in sync."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -27,25 +32,41 @@ def run_notebook(path: Path, timeout: int) -> float:
     return time.perf_counter() - t0
 
 
+def closing_note(seconds: dict[str, float], profile: str) -> str:
+    """Each notebook's duration and the total, as printed at the end of ``make lab``."""
+    width = max(map(len, seconds), default=8)
+    lines = [f"  {name:<{width}}  {s / 60:5.1f} min" for name, s in seconds.items()]
+    total = sum(seconds.values())
+    return "\n".join([f"{len(seconds)} notebooks under the {profile} profile:", *lines,
+                      f"  {'total':<{width}}  {total / 60:5.1f} min"])
+
+
 def main(argv: list[str] | None = None) -> int:
+    from labkit.experiments.common import _git_commit, get_profile
+    from labkit.experiments.durations import record_durations
+
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--profile", default=os.environ.get("LABKIT_PROFILE", "full"), choices=["ci", "full"])
     parser.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 01 05")
     parser.add_argument("--cell-timeout", type=int, default=1800)
     args = parser.parse_args(argv)
-    os.environ["LABKIT_PROFILE"] = args.profile
+    os.environ["LABKIT_PROFILE"] = args.profile  # the kernels inherit it; the parameters cells read it
     paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
     if args.only:
         paths = [p for p in paths if any(p.name.startswith(o) for o in args.only)]
-    total = time.perf_counter()
+    seconds: dict[str, float] = {}
     for path in paths:
         print(f"running {path.relative_to(ROOT)} ({args.profile}) ...", flush=True)
-        print(f"  done in {run_notebook(path, args.cell_timeout):.0f} s", flush=True)
-    print(f"\n{len(paths)} notebooks in {time.perf_counter() - total:.0f} s under the {args.profile} profile.")
+        seconds[path.stem] = run_notebook(path, args.cell_timeout)
+        print(f"  done in {seconds[path.stem]:.0f} s", flush=True)
+    profile = get_profile(args.profile)
+    table = record_durations(profile, seconds, _git_commit())
+    print()
+    print(closing_note(seconds, args.profile))
+    print(f"  durations kept in:           {table.relative_to(ROOT) if table.is_relative_to(ROOT) else table}")
     print(f"  notebooks with fresh outputs: {NOTEBOOKS.relative_to(ROOT)}/")
-    if args.profile == "full":
-        print("  tables and results.json:     data/<experiment>/")
-        print("  figures:                     figures/")
+    print(f"  tables and results.json:     {profile.data_dir}/<experiment>/")
+    print(f"  figures:                     {profile.figures_dir}/")
     return 0
 
 
