@@ -161,7 +161,7 @@ def write_results(name: str, profile: Profile, *, config: Any, elapsed_s: float,
     record = {
         "experiment": name,
         "environment": environment(profile),
-        "config": asdict(config) if is_dataclass(config) else config,
+        "config": asdict(config) if is_dataclass(config) and not isinstance(config, type) else config,
         "elapsed_s": round(elapsed_s, 3),
         "summary": summary or {},
         "tables": {t: {"rows": len(df), "columns": list(map(str, df.columns))} for t, df in tables.items()},
