@@ -19,17 +19,28 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 
 
-def run_notebook(path: Path, timeout: int) -> float:
-    """Execute ``path`` in place; the seconds it took. The source cells are not touched, so the
-    paired ``.py`` stays in sync."""
+def run_notebook(path: Path, timeout: int) -> tuple[float, str | None]:
+    """Execute ``path`` in place: the seconds it took and the error that stopped it, if one did.
+
+    A failed notebook is written too, with the outputs of every cell that ran and the error,
+    so what was measured before the failure survives (its experiment also kept its finished
+    conditions under ``data/<name>/partial/``). The source cells are not touched, so the paired
+    ``.py`` stays in sync.
+    """
     import nbformat
     from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
 
     nb = nbformat.read(path, as_version=4)
     t0 = time.perf_counter()
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    error = None
+    try:
+        NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                       resources={"metadata": {"path": str(path.parent)}}).execute()
+    except CellExecutionError as exc:
+        error = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
     nbformat.write(nb, path)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, error
 
 
 def closing_note(seconds: dict[str, float], profile: str) -> str:
@@ -55,19 +66,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         paths = [p for p in paths if any(p.name.startswith(o) for o in args.only)]
     seconds: dict[str, float] = {}
+    failed: dict[str, str] = {}
     for path in paths:
         print(f"running {path.relative_to(ROOT)} ({args.profile}) ...", flush=True)
-        seconds[path.stem] = run_notebook(path, args.cell_timeout)
-        print(f"  done in {seconds[path.stem]:.0f} s", flush=True)
+        took, error = run_notebook(path, args.cell_timeout)
+        if error is None:
+            seconds[path.stem] = took
+            print(f"  done in {took:.0f} s", flush=True)
+        else:
+            failed[path.stem] = error
+            print(f"  FAILED after {took:.0f} s: {error} (outputs so far kept in the notebook)", flush=True)
     profile = get_profile(args.profile)
-    table = record_durations(profile, seconds, _git_commit())
+    table = record_durations(profile, seconds, _git_commit())  # only notebooks that ran to the end
     print()
     print(closing_note(seconds, args.profile))
+    for name, error in failed.items():
+        print(f"  {name} FAILED: {error}")
     print(f"  durations kept in:           {table.relative_to(ROOT) if table.is_relative_to(ROOT) else table}")
     print(f"  notebooks with fresh outputs: {NOTEBOOKS.relative_to(ROOT)}/")
     print(f"  tables and results.json:     {profile.data_dir}/<experiment>/")
     print(f"  figures:                     {profile.figures_dir}/")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

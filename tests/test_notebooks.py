@@ -8,10 +8,10 @@ back together. None of these tests runs a notebook: ``make test`` does that unde
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,13 +134,14 @@ def test_no_duration_is_typed_into_the_prose(ipynb):
     assert not typed, typed
 
 
-@pytest.mark.skipif(shutil.which("jupytext") is None and not (Path(os.sys.prefix) / "bin" / "jupytext").exists(),
-                    reason="the jupytext command is not installed")
+JUPYTEXT = shutil.which("jupytext", path=str(Path(sys.executable).parent)) or shutil.which("jupytext")
+
+
+@pytest.mark.skipif(JUPYTEXT is None, reason="the jupytext command is not installed")
 def test_the_jupytext_command_agrees_that_the_pairs_are_in_sync(tmp_path):
     """The same check through jupytext's own CLI, on a copy (``--sync`` would rewrite stale files)."""
-    command = shutil.which("jupytext") or str(Path(os.sys.prefix) / "bin" / "jupytext")
     copy = _copy_pair(PAIRS[3], tmp_path)
     shutil.copy(ROOT / "jupytext.toml", tmp_path / "jupytext.toml")
-    out = subprocess.run([command, "--to", "py:percent", "--output", "-", str(copy)], capture_output=True,
+    out = subprocess.run([JUPYTEXT, "--to", "py:percent", "--output", "-", str(copy)], capture_output=True,
                          text=True, timeout=60, check=True)
     assert out.stdout == copy.with_suffix(".py").read_text()
