@@ -22,20 +22,15 @@ matplotlib.use("Agg")
 slow = pytest.mark.slow
 
 
-MODEL_FREE = {"buffers"}  # no token is generated: both profiles serve the tiny model
-
-
 @pytest.mark.parametrize("name", names())
 def test_each_profile_serves_its_model_and_full_is_the_larger_run(name):
     """One test for every experiment (it was copied into two files, asserting only that
     ``server_options`` repeats the config's model)."""
     module = load(name)
     ci, full = (module.Config.for_profile(Profile(p)) for p in ("ci", "full"))
-    assert ci.model == "tiny-gpt2"
-    assert full.model == ("tiny-gpt2" if name in MODEL_FREE else "smollm2-135m")
+    assert (ci.model, full.model) == ("tiny-gpt2", "smollm2-135m")
     assert module.units(full) >= module.units(ci) and full != replace(ci, model=full.model)  # sizes differ too
-    asked = module.Config.for_profile(Profile("ci", model="tiny-llama"))
-    assert asked.model == ("tiny-gpt2" if name in MODEL_FREE else "tiny-llama")
+    assert module.Config.for_profile(Profile("ci", model="tiny-llama")).model == "tiny-llama"
 
 
 def test_registry_lists_these_four_first():
