@@ -73,7 +73,7 @@ def test_a_request_id_is_free_again_once_its_request_is_over(tiny_gpt2):
     drain(engine)
     engine.submit(PROMPTS[1], max_new_tokens=2, request_id="abc")
     assert drain(engine)["abc"].reason == "length"
-    assert engine._known == set()  # finished ids are forgotten: a long-lived server does not grow
+    assert not engine._known  # finished ids are forgotten: a long-lived server does not grow
 
 
 def test_the_waiting_limit_holds_under_concurrent_submits_while_steps_run(tiny_gpt2):
