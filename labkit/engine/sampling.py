@@ -3,9 +3,10 @@
 Greedy rows take one argmax over the whole batch. Sampled rows (temperature and top-p) are
 scaled, softmaxed and filtered together, then each draws with its own ``torch.Generator``, seeded
 from its ``seed`` and living on the engine's device, so what a sampled request draws depends on
-its own logits and seed only, never on which neighbours shared the step. A draw is one
-``torch.multinomial`` per sampled row: that is the price of per-request generators, and exactly
-the call a request made alone, which keeps seeded output what it always was.
+its own logits and seed only, never on which neighbours shared the step. Each draw is what
+``torch.multinomial(probs, 1, generator)`` draws (the tests hold the two equal), with the random
+numbers made row by row (the price of per-request generators) and the rest done for all rows
+at once.
 
 A row whose distribution is not valid (NaN or no mass: a model overflow, parameters corrupted
 after validation) gets ``None`` instead of a token, and the engine ends that request alone.
@@ -52,6 +53,7 @@ class Sampler:
     def __init__(self, device: str | torch.device) -> None:
         self.device = torch.device(device)
         self._rows: _Rows | None = None
+        self._noise: Tensor | None = None  # (rows, vocab) float32, reused from step to step
 
     def sample(self, logits: Tensor, seqs: Seq[Sequence]) -> list[int | None]:
         """Token ids for float32 ``logits`` of shape ``(len(seqs), vocab)``, ``None`` for a row that failed."""
@@ -59,45 +61,55 @@ class Sampler:
         sampled = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
         if not sampled:
             return greedy.tolist()
-        tokens: list[int | None] = greedy.tolist()
         try:
-            dists = self._distributions(logits, seqs, sampled)
+            probs, valid = self._distributions(logits, seqs, sampled)
         except Exception:  # whatever broke the batch, find the rows it belongs to
             log.warning("batched sampling failed; sampling its rows one by one", exc_info=True)
-            dists = [self._distribution_alone(logits[row:row + 1], seqs[row]) for row in sampled]
-        picks: list[Tensor] = []
-        drew: list[int] = []  # the rows whose draw is in picks, in order
-        for row, probs in zip(sampled, dists):
-            tokens[row] = None
-            if probs is None:
-                continue
-            try:
-                picks.append(torch.multinomial(probs, 1, generator=seqs[row].generator))
-                drew.append(row)
-            except Exception:  # this request ends with reason "error"; the rest go on
-                log.warning("drawing a token for request %r failed", seqs[row].rid, exc_info=True)
-        if picks:  # one transfer for every draw of the step
-            for row, token in zip(drew, torch.cat(picks).tolist()):
-                tokens[row] = token
+            probs, valid = self._distributions_alone(logits, seqs, sampled)
+        # torch.multinomial's own draw of one sample (a race of exponentials): argmax(p / q) with
+        # q ~ Exp(1) from the row's generator. Done here so that the rows share one division,
+        # one argmax and one transfer, and skip multinomial's three checks (each a device sync).
+        noise = self._noise_rows(len(sampled), probs.shape[-1])
+        for k, row in enumerate(sampled):
+            if valid[k]:
+                try:
+                    noise[k].exponential_(1, generator=seqs[row].generator)
+                except Exception:  # this request ends with reason "error"; the rest go on
+                    log.warning("drawing a token for request %r failed", seqs[row].rid, exc_info=True)
+                    valid[k] = False
+        drawn = torch.argmax(torch.div(probs, noise, out=noise), dim=-1)
+        both = torch.cat([greedy, drawn]).tolist()  # one transfer for the whole step
+        tokens: list[int | None] = list(both[:len(seqs)])
+        for k, row in enumerate(sampled):
+            tokens[row] = both[len(seqs) + k] if valid[k] else None
         return tokens
 
-    def _distributions(self, logits: Tensor, seqs: Seq[Sequence], sampled: list[int]) -> list[Tensor | None]:
-        """Each sampled row's probabilities, or None where they are not a distribution."""
+    def _distributions(self, logits: Tensor, seqs: Seq[Sequence], sampled: list[int]) -> tuple[Tensor, list[bool]]:
+        """The sampled rows' probabilities (k, vocab), and which of them are a distribution."""
         rows = self._batch_rows(seqs, sampled, len(logits))
         x = logits if rows.index is None else logits.index_select(0, rows.index)
         probs = _probabilities(x.float(), rows.temperature, rows.top_p_rows, rows.top_p)
-        valid = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
-        return [probs[k] if ok else None for k, ok in enumerate(valid)]
+        mass = probs.sum(dim=-1)  # NaN or inf if any entry is (entries are never negative)
+        return probs, (torch.isfinite(mass) & (mass > 0)).tolist()
 
-    def _distribution_alone(self, logits: Tensor, seq: Sequence) -> Tensor | None:
-        """One row alone, for when the batch raised: a row that still raises is that row's failure."""
-        self._rows = None
-        try:
-            return self._distributions(logits, [seq], [0])[0]
-        except Exception:
-            return None
-        finally:
+    def _distributions_alone(self, logits: Tensor, seqs: Seq[Sequence], sampled: list[int]) -> tuple[Tensor, list[bool]]:
+        """Row by row, for when the batch raised: a row that still raises is that row's failure."""
+        probs, valid = [], []
+        for row in sampled:
             self._rows = None
+            try:
+                p, ok = self._distributions(logits[row:row + 1], [seqs[row]], [0])
+            except Exception:
+                p, ok = torch.zeros_like(logits[row:row + 1], dtype=torch.float32), [False]
+            probs.append(p)
+            valid += ok
+        self._rows = None
+        return torch.cat(probs), valid
+
+    def _noise_rows(self, rows: int, vocab: int) -> Tensor:
+        if self._noise is None or self._noise.shape[0] < rows or self._noise.shape[1] != vocab:
+            self._noise = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
+        return self._noise[:rows]
 
     def _batch_rows(self, seqs: Seq[Sequence], sampled: list[int], batch: int) -> _Rows:
         key = (batch, *((seqs[row].number, id(seqs[row].params)) for row in sampled))
