@@ -131,17 +131,22 @@ def test_values_that_underflow_in_float32_give_the_greedy_tokens_and_spare_the_n
 
 
 # -- a row that fails anyway ends its own request only ------------------------------------------
-def _corrupt_temperature(seq):
+def _corrupt_temperature(seq, value=math.nan):
     bad = copy.copy(seq.params)
-    object.__setattr__(bad, "temperature", math.nan)  # slipped past validation somehow
+    object.__setattr__(bad, "temperature", value)  # slipped past validation somehow
     seq.params = bad
+
+
+def _overflow_temperature(seq):
+    _corrupt_temperature(seq, 10**400)  # no float holds it: building the batch's tensors raises
 
 
 def _corrupt_generator(seq):
     seq.generator = object()  # multinomial raises for this row
 
 
-@pytest.mark.parametrize("corrupt", [_corrupt_temperature, _corrupt_generator], ids=["nan-row", "raising-row"])
+@pytest.mark.parametrize("corrupt", [_corrupt_temperature, _corrupt_generator, _overflow_temperature],
+                         ids=["nan-row", "raising-row", "raising-batch"])
 def test_a_request_whose_sampling_fails_in_a_step_ends_alone_with_an_error(tiny_model, corrupt):
     neighbour_alone = solo(tiny_model, PROMPTS[5], max_new_tokens=8, temperature=0.9, seed=11).tokens
     greedy_alone = solo(tiny_model, PROMPTS[6], max_new_tokens=8).tokens

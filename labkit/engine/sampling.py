@@ -100,6 +100,7 @@ class Sampler:
             try:
                 p, ok = self._distributions(logits[row:row + 1], [seqs[row]], [0])
             except Exception:
+                log.warning("sampling request %r failed", seqs[row].rid, exc_info=True)
                 p, ok = torch.zeros_like(logits[row:row + 1], dtype=torch.float32), [False]
             probs.append(p)
             valid += ok

@@ -61,24 +61,43 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {_short(self.max_new_tokens)}")
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if not (isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-                and math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"stop must be non-empty strings, got {_short(self.stop)}")
+        if not (_is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {_short(self.temperature)}")
+        if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {_short(self.top_p)}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+            raise ValueError(f"seed must be an int or None, got {_short(self.seed)}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator accepts
-            raise ValueError(f"seed must lie in [-2**63, 2**64), got {self.seed}")
+            raise ValueError(f"seed must lie in [-2**63, 2**64), got {_short(self.seed)}")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+            raise ValueError(f"ignore_eos must be true or false, got {_short(self.ignore_eos)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+def _is_real(value: object) -> bool:
+    """An int or float (not a bool) that a float can hold: ``10**400`` would overflow in math and torch."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
+
+
+def _short(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut short: a refusal must not echo a megabyte of input back."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return f"an {type(value).__name__} too long to show"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class Status(enum.Enum):
