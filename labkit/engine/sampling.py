@@ -68,7 +68,7 @@ class Sampler:
             probs, valid = self._distributions_alone(logits, seqs, sampled)
         # torch.multinomial's own draw of one sample (a race of exponentials): argmax(p / q) with
         # q ~ Exp(1) from the row's generator. Done here so that the rows share one division,
-        # one argmax and one transfer, and skip multinomial's three checks (each a device sync).
+        # one argmax and one transfer, and skip multinomial's per-call checks (each a device sync).
         noise = self._noise_rows(len(sampled), probs.shape[-1])
         for k, row in enumerate(sampled):
             if valid[k]:
