@@ -30,5 +30,10 @@ class DoubleFree(LabkitError, RuntimeError):
     """Blocks released twice: a bookkeeping bug, never a user error."""
 
 
+class CacheFull(LabkitError, RuntimeError):
+    """More blocks asked of the KV cache than are free. The scheduler checks before it allocates,
+    so reaching this is a bookkeeping bug, never a user error (a client sees QueueFull or waits)."""
+
+
 class UnknownModel(LabkitError, ValueError):
     """A model name or path labkit cannot load."""

@@ -2,7 +2,7 @@
 import pytest
 
 from labkit.engine.cache import BlockManager
-from labkit.errors import DoubleFree
+from labkit.errors import CacheFull, DoubleFree
 
 
 def test_allocation_reserves_whole_blocks_for_the_token_count():
@@ -34,10 +34,10 @@ def test_releasing_an_owner_that_never_held_blocks_raises():
         BlockManager(num_blocks=4, block_size=4).deallocate("ghost")
 
 
-def test_allocation_beyond_the_free_blocks_is_refused_and_takes_nothing():
+def test_allocation_beyond_the_free_blocks_is_refused_with_cache_full_and_takes_nothing():
     pool = BlockManager(num_blocks=3, block_size=4)
     assert not pool.can_allocate(13)
-    with pytest.raises(MemoryError):
+    with pytest.raises(CacheFull, match="needs 4 blocks, 3 free"):
         pool.allocate("a", 13)
     assert pool.num_free == 3
     pool.check_integrity(set())

@@ -1,6 +1,5 @@
 """Greedy output does not depend on the neighbours: every concurrent run equals its solo run."""
 import pytest
-
 from engine_helpers import PROMPTS, collect, drain, make_engine, solo
 
 PROMPT_POOL = [p + suffix for suffix in ("", " and then", " — said nobody") for p in PROMPTS][:32]
@@ -39,12 +38,21 @@ def test_late_joiners_equal_their_solo_runs(tiny_model, solo_runs):
 
 def test_sampled_request_with_a_seed_does_not_depend_on_its_neighbours(tiny_model):
     alone = solo(tiny_model, PROMPTS[0], max_new_tokens=12, temperature=0.9, top_p=0.95, seed=1234)
+    neighbours = {p: {"temperature": 1.0, "seed": i, "top_p": 0.9 if i % 2 else 1.0} if i % 3 else {}
+                  for i, p in enumerate(PROMPTS[1:9])}  # sampled with and without top-p, and greedy
     engine = make_engine(tiny_model)
-    others = [engine.submit(p, max_new_tokens=12, temperature=1.0, seed=i) for i, p in enumerate(PROMPTS[1:9])]
+    others = {engine.submit(p, max_new_tokens=12, **kw): p for p, kw in neighbours.items()}
     rid = engine.submit(PROMPTS[0], max_new_tokens=12, temperature=0.9, top_p=0.95, seed=1234)
-    outcomes = drain(engine)
+    outcomes, steps = {}, {}
+    while engine.has_work():
+        events = engine.step()
+        collect(events, outcomes)
+        for e in events:
+            steps.setdefault(e.rid, set()).add(e.step)
     assert outcomes[rid].tokens == alone.tokens
-    assert len(others) == 8
+    for other, prompt in others.items():  # the neighbours were really there, and each is its own solo run
+        assert steps[other] & steps[rid], f"{prompt!r} never shared a step with the seeded request"
+        assert outcomes[other].tokens == solo(tiny_model, prompt, max_new_tokens=12, **neighbours[prompt]).tokens
 
 
 @pytest.mark.parametrize("temperature", [1e-4, 1e-40])

@@ -109,9 +109,9 @@ def test_admission_is_limited_by_blocks_and_keeps_arrival_order(tiny_gpt2):
     for _ in range(200):
         if not engine.has_work():
             break
-        before = set(engine.scheduler.blocks.owners())
+        before = {s.rid for s in engine.scheduler.running}
         engine.step()
-        admitted_order += [r for r in rids if r in engine.scheduler.blocks.owners() - before]
+        admitted_order += [s.rid for s in engine.scheduler.running if s.rid not in before]
         assert engine.stats()["running"] <= 2
     assert admitted_order == rids
     assert_all_released(engine)

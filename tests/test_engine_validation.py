@@ -36,10 +36,18 @@ def test_request_larger_than_the_whole_cache_is_refused(tiny_gpt2):
 
 
 @pytest.mark.parametrize("kwargs", [{"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"stop": [""]},
-                                    {"seed": "x"}, {"seed": 2**64}, {"seed": -(2**63) - 1}, {"ignore_eos": 1}])
+                                    {"seed": "x"}, {"seed": 2**64}, {"seed": -(2**63) - 1}, {"ignore_eos": 1},
+                                    {"temperature": 10**400}, {"top_p": float("nan")}, {"temperature": True}])
 def test_bad_sampling_parameters_are_refused(tiny_gpt2, kwargs):
     with pytest.raises(InvalidRequest):
         make_engine(tiny_gpt2).submit(PROMPTS[0], **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"stop": [""] * 250_000}, {"temperature": -(10**5000)}, {"seed": 10**5000}])
+def test_a_refusal_does_not_echo_a_huge_value_back(tiny_gpt2, kwargs):
+    with pytest.raises(InvalidRequest) as refused:
+        make_engine(tiny_gpt2).submit(PROMPTS[0], **kwargs)
+    assert len(str(refused.value)) < 200
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(tiny_gpt2):
@@ -73,7 +81,7 @@ def test_a_request_id_is_free_again_once_its_request_is_over(tiny_gpt2):
     drain(engine)
     engine.submit(PROMPTS[1], max_new_tokens=2, request_id="abc")
     assert drain(engine)["abc"].reason == "length"
-    assert engine._known == set()  # finished ids are forgotten: a long-lived server does not grow
+    assert not engine._known  # finished ids are forgotten: a long-lived server does not grow
 
 
 def test_the_waiting_limit_holds_under_concurrent_submits_while_steps_run(tiny_gpt2):

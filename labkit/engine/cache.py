@@ -3,12 +3,17 @@
 The tensors themselves live in the runner; this module only does the accounting, so it can be
 checked exhaustively. A sequence's blocks are reserved whole at admission (prompt plus every
 token it may generate), which is why a running sequence never waits for memory.
+
+Owners are the scheduler's sequence numbers, never request ids: an id comes back when a client
+reuses it, a number never does, so a stale release can only raise, never free a newer request.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
+from collections.abc import Set as AbstractSet
 
-from labkit.errors import DoubleFree
+from labkit.errors import CacheFull, DoubleFree
 
 
 class BlockManager:
@@ -20,7 +25,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
-        self._tables: dict[str, list[int]] = {}
+        self._tables: dict[Hashable, list[int]] = {}
         self.num_releases = 0
 
     @property
@@ -37,18 +42,18 @@ class BlockManager:
     def can_allocate(self, num_tokens: int) -> bool:
         return self.blocks_needed(num_tokens) <= len(self._free)
 
-    def allocate(self, owner: str, num_tokens: int) -> list[int]:
+    def allocate(self, owner: Hashable, num_tokens: int) -> list[int]:
         """Reserve enough blocks for ``num_tokens`` tokens and return the owner's block table."""
         if owner in self._tables:
             raise ValueError(f"{owner!r} already holds blocks")
         needed = self.blocks_needed(num_tokens)
         if needed > len(self._free):
-            raise MemoryError(f"{owner!r} needs {needed} blocks, {len(self._free)} free")
+            raise CacheFull(f"{owner!r} needs {needed} blocks, {len(self._free)} free")
         table = [self._free.popleft() for _ in range(needed)]
         self._tables[owner] = table
         return table
 
-    def deallocate(self, owner: str) -> int:
+    def deallocate(self, owner: Hashable) -> int:
         """Return ``owner``'s blocks to the pool. A second call for the same owner raises DoubleFree."""
         table = self._tables.pop(owner, None)
         if table is None:
@@ -57,13 +62,13 @@ class BlockManager:
         self.num_releases += 1
         return len(table)
 
-    def table(self, owner: str) -> list[int]:
+    def table(self, owner: Hashable) -> list[int]:
         return self._tables[owner]
 
-    def owners(self) -> set[str]:
+    def owners(self) -> set[Hashable]:
         return set(self._tables)
 
-    def check_integrity(self, live_owners: set[str]) -> None:
+    def check_integrity(self, live_owners: AbstractSet[Hashable]) -> None:
         """Free and held blocks partition the pool; every holder is a live sequence, and vice versa."""
         held = [b for table in self._tables.values() for b in table]
         free = list(self._free)
@@ -72,5 +77,5 @@ class BlockManager:
         assert not set(held) & set(free), "a block is both free and held"
         assert set(held) | set(free) == set(range(self.num_blocks)), "a block is lost from the pool"
         assert set(self._tables) == live_owners, (
-            f"holders {sorted(self._tables)} differ from live sequences {sorted(live_owners)}"
+            f"holders {sorted(self._tables, key=repr)} differ from live sequences {sorted(live_owners, key=repr)}"
         )

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -37,8 +39,36 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_waiting must be a non-negative int or None, got {self.max_waiting!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if not isinstance(self.device, str) or not self.device:
-            raise ValueError(f"EngineConfig.device must be a device name like 'cpu' or 'cuda', got {self.device!r}")
+        check_device(self.device)
+
+
+_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+
+
+def check_device(device: object) -> None:
+    """Refuse a device torch cannot name, or one this machine does not have, when the config is made.
+
+    Found later, a bad device fails inside the first step (the model, the cache, each request's
+    sampling generator are all placed on it), where it ends every open stream at once.
+    """
+    if not isinstance(device, str) or not device:
+        raise ValueError(f"EngineConfig.device must be a device name like 'cpu' or 'cuda', got {device!r}")
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"EngineConfig.device {device!r} is not a device name: use one of "
+                         f"{', '.join(_DEVICE_TYPES)}, optionally with an index ('cuda:1')") from None
+    if parsed.type not in _DEVICE_TYPES:
+        raise ValueError(f"EngineConfig.device {device!r} is not supported: use one of {', '.join(_DEVICE_TYPES)}")
+    if parsed.type == "cpu":
+        return
+    backend = getattr(torch, parsed.type, None) if parsed.type != "mps" else torch.backends.mps
+    if backend is None or not backend.is_available():
+        raise ValueError(f"EngineConfig.device {device!r}: this machine has no {parsed.type} device "
+                         f"(torch {torch.__version__})")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if parsed.index is not None and parsed.index >= count:
+        raise ValueError(f"EngineConfig.device {device!r}: this machine has {count} {parsed.type} device(s)")
 
 
 def _positive(name: str, value: object) -> None:

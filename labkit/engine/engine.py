@@ -4,27 +4,37 @@ Each ``step()`` applies the inbox, admits and prefills waiting requests (each pr
 request's first token), advances each remaining running sequence by one token in a single batched pass,
 and returns the events. Other threads only submit, cancel, pause and resume, which are recorded
 in the inbox and carried out at the next step boundary.
+
+The step clock: steps are numbered 1, 2, 3, ... as they start (``stats()["step"]`` is the number
+of the latest step, 0 before the first), and every event carries the number of the step that
+made it, so an effect can be told in steps, which do not jitter with the machine, as well as in
+seconds.
 """
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
 from collections import Counter
 from typing import Any, Callable, Sequence as Seq
 
+import torch
+
 from labkit.engine.cache import BlockManager
 from labkit.engine.config import EngineConfig
-from labkit.engine.events import Event, FinishEvent, TokenEvent, Usage
+from labkit.engine.events import Event, FinishEvent, FinishReason, TokenEvent, Usage
 from labkit.engine.runner import ModelRunner
-from labkit.engine.sampling import make_generator, sample
-from labkit.engine.scheduler import Command, Inbox, Scheduler
-from labkit.engine.sequence import SamplingParams, Sequence
+from labkit.engine.sampling import Sampler, make_generator
+from labkit.engine.scheduler import Command, Inbox, Scheduler, Verb
+from labkit.engine.sequence import RequestId, SamplingParams, Sequence
 from labkit.engine.text import TextState
 from labkit.errors import EmptyPrompt, InvalidRequest, PromptTooLong, QueueFull
 from labkit.models.loaded import LoadedModel
 
 OnEvent = Callable[[Event], None]
+log = logging.getLogger(__name__)
+SAMPLING_FAILED = "the next token could not be drawn for this request"
 
 
 class BatchEngine:
@@ -42,10 +52,11 @@ class BatchEngine:
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_batch)
         self.inbox = Inbox()
-        self._eos = _eos_ids(model)
-        self._texts: dict[str, TextState] = {}
+        self._eos = eos_ids(model)
+        self.sampler = Sampler(config.device)
         self._ids_lock = threading.Lock()
-        self._known: set[str] = set()
+        self._known: dict[str, int] = {}  # request id -> number of the live sequence holding it
+        self.current_step = 0
         self._step_lock = threading.Lock()
         self.counters: Counter[str] = Counter()
         self.finished: Counter[str] = Counter()
@@ -56,8 +67,8 @@ class BatchEngine:
 
     def submit(self, prompt: str | Seq[int], *, max_new_tokens: int = 64, stop: str | Seq[str] = (),
                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-               ignore_eos: bool = False, request_id: str | None = None) -> str:
-        """Validate a request in the caller's thread and queue it; returns its id.
+               ignore_eos: bool = False, request_id: str | None = None) -> RequestId:
+        """Validate a request in the caller's thread and queue it; returns its id (a str).
 
         Raises EmptyPrompt, PromptTooLong or InvalidRequest for a request that can never run, and
         QueueFull at the waiting limit. Nothing is allocated until a step admits it.
@@ -65,20 +76,36 @@ class BatchEngine:
         ids = self._prompt_ids(prompt)
         params = _params(max_new_tokens, stop, temperature, top_p, seed, ignore_eos)
         self._check_fits(len(ids), params.max_new_tokens)
-        generator = make_generator(params)
+        generator = make_generator(params, self.config.device)
+        text = TextState(self.tokenizer, ids, params.stop)  # a tokenizer decode: not under the lock
         with self._ids_lock:  # the waiting count and the queue change together (see _apply_inbox)
             rid = self._claim_id(request_id)
-            self.inbox.put(Command("submit", rid, Sequence(rid, ids, params, generator)))
-        return rid
+            seq = Sequence(rid, ids, params, generator, text)
+            self._known[rid] = seq.number
+            self.inbox.put(Command("submit", rid, seq))
+        return RequestId(rid, seq.number)
 
     def cancel(self, rid: str) -> None:
-        self.inbox.put(Command("cancel", rid))
+        """Finish ``rid``'s request at the next step; a no-op for a request that is over.
+
+        ``rid`` as ``submit`` returned it (a RequestId) names that submission: once it is over, a
+        cancel never reaches a newer request that reused the id. A plain string names whichever
+        request holds the id now.
+        """
+        self._wish("cancel", rid)
 
     def pause(self, rid: str) -> None:
-        self.inbox.put(Command("pause", rid))
+        self._wish("pause", rid)
 
     def resume(self, rid: str) -> None:
-        self.inbox.put(Command("resume", rid))
+        self._wish("resume", rid)
+
+    def _wish(self, verb: Verb, rid: str) -> None:
+        with self._ids_lock:
+            holder = self._known.get(rid)
+        meant = getattr(rid, "number", holder)
+        if holder is not None and holder == meant:
+            self.inbox.put(Command(verb, str(rid), number=holder))
 
     def has_work(self) -> bool:
         """Would a step do anything? (Something in the inbox, to decode, or to admit.)"""
@@ -92,10 +119,12 @@ class BatchEngine:
 
     # -- the step --------------------------------------------------------------------------
     def step(self, on_event: OnEvent | None = None) -> list[Event]:
-        """One round of work. ``on_event`` sees each event the moment it exists."""
+        """One round of work, numbered ``current_step`` (1 for the first). ``on_event`` sees each
+        event the moment it exists."""
         if not self._step_lock.acquire(blocking=False):
             raise RuntimeError("BatchEngine.step() was called from two threads at once")
         try:
+            self.current_step += 1
             events: list[Event] = []
 
             def emit(event: Event) -> None:
@@ -121,10 +150,6 @@ class BatchEngine:
         cancelled: list[Sequence] = []
         with self._ids_lock:
             for command in self.inbox.drain():
-                if command.verb == "submit":
-                    assert command.seq is not None
-                    self._texts[command.rid] = TextState(self.tokenizer, command.seq.prompt_ids,
-                                                         command.seq.params.stop)
                 seq = self.scheduler.apply(command)
                 if seq is not None:
                     cancelled.append(seq)
@@ -132,38 +157,55 @@ class BatchEngine:
             emit(self._finish_event(seq))
 
     def _prefill(self, seq: Sequence, emit: OnEvent) -> None:
-        logits = self.runner.prefill(seq.prompt_ids, self.blocks.table(seq.rid))
+        logits = self.runner.prefill(seq.prompt_ids, self.blocks.table(seq.number))
         self.counters["prefills"] += 1
-        self._accept(seq, sample(logits, seq.params, seq.generator), emit)
+        self._accept_all([seq], logits.unsqueeze(0), emit)
 
     def _decode(self, batch: list[Sequence], emit: OnEvent) -> None:
         logits = self.runner.decode([s.pending for s in batch], [s.num_cached for s in batch],
-                                    [self.blocks.table(s.rid) for s in batch])
+                                    [self.blocks.table(s.number) for s in batch])
         self.counters["decode_steps"] += 1
-        for row, seq in enumerate(batch):
-            self._accept(seq, sample(logits[row], seq.params, seq.generator), emit)
+        self._accept_all(batch, logits, emit)
+
+    def _accept_all(self, batch: list[Sequence], logits: torch.Tensor, emit: OnEvent) -> None:
+        """Sample a token for each row of ``logits`` and accept it; a row that could not be
+        sampled ends its own request with reason ``error`` (its neighbours go on)."""
+        for seq, token_id in zip(batch, self.sampler.sample(logits, batch)):
+            if token_id is None:
+                self._fail(seq, emit)
+            else:
+                self._accept(seq, token_id, emit)
+
+    def _fail(self, seq: Sequence, emit: OnEvent) -> None:
+        log.warning("request %r ended with an error at step %d: %s", seq.rid, self.current_step, SAMPLING_FAILED)
+        self.counters["sampling_errors"] += 1
+        self.scheduler.finish(seq, "error")
+        emit(self._finish_event(seq, error=SAMPLING_FAILED))
 
     def _accept(self, seq: Sequence, token_id: int, emit: OnEvent) -> None:
         """Record a sampled token, emit its event, and finish the sequence if it is done."""
         seq.output_ids.append(token_id)
         self.counters["tokens"] += 1
         is_eos = token_id in self._eos
-        reason = "eos" if is_eos and not seq.params.ignore_eos else "length" if seq.num_output >= seq.params.max_new_tokens else None
-        text, stopped = self._texts[seq.rid].push(token_id, special=is_eos, final=reason is not None)
+        reason: FinishReason | None = (
+            "eos" if is_eos and not seq.params.ignore_eos
+            else "length" if seq.num_output >= seq.params.max_new_tokens else None)
+        text, stopped = seq.text.push(token_id, special=is_eos, final=reason is not None)
         if stopped:
             reason = "stop"
-        emit(TokenEvent(seq.rid, seq.num_output - 1, token_id, text, time.perf_counter()))
+        emit(TokenEvent(seq.rid, seq.num_output - 1, token_id, text, time.perf_counter(), self.current_step))
         if reason is not None:
             self.scheduler.finish(seq, reason)
             emit(self._finish_event(seq))
 
-    def _finish_event(self, seq: Sequence) -> FinishEvent:
+    def _finish_event(self, seq: Sequence, error: str | None = None) -> FinishEvent:
         assert seq.finish_reason is not None
-        self._texts.pop(seq.rid, None)
         with self._ids_lock:
-            self._known.discard(seq.rid)  # the id may be used again once its request is over
+            if self._known.get(seq.rid) == seq.number:
+                del self._known[seq.rid]  # the id may be used again once its request is over
         self.finished[seq.finish_reason] += 1
-        return FinishEvent(seq.rid, seq.finish_reason, Usage(seq.num_prompt, seq.num_output), time.perf_counter())
+        return FinishEvent(seq.rid, seq.finish_reason, Usage(seq.num_prompt, seq.num_output), time.perf_counter(),
+                           self.current_step, error)
 
     # -- validation --------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
@@ -196,10 +238,11 @@ class BatchEngine:
         if limit is not None and len(self.scheduler.waiting) + self.inbox.count_submits() >= limit:
             raise QueueFull(f"{limit} requests are already waiting for a slot")
         rid = request_id or f"req-{secrets.token_hex(6)}"
-        if not isinstance(rid, str) or rid in self._known:
+        if not isinstance(rid, str):
+            raise InvalidRequest(f"request_id must be a string, got {type(rid).__name__}")
+        if rid in self._known:
             raise InvalidRequest(f"request_id {rid!r} is already in use")
-        self._known.add(rid)
-        return rid
+        return str(rid)  # a plain string, even when the caller passed a RequestId back
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -215,10 +258,12 @@ class BatchEngine:
             "total_blocks": self.blocks.num_blocks,
             "block_size": self.blocks.block_size,
             "max_batch": sched.max_batch,
+            "step": self.current_step,
             "steps": self.counters["steps"],
             "prefills": self.counters["prefills"],
             "decode_steps": self.counters["decode_steps"],
             "tokens_generated": self.counters["tokens"],
+            "sampling_errors": self.counters["sampling_errors"],
             "releases": self.blocks.num_releases,
             "finished": dict(self.finished),
         }
@@ -226,7 +271,7 @@ class BatchEngine:
     def check_integrity(self) -> None:
         """Raise AssertionError if the cache's books or the queues disagree."""
         self.scheduler.check_integrity()
-        assert set(self._texts) == set(self.scheduler.live), "text state and live sequences differ"
+        assert all(s.text is not None for s in self.scheduler.live.values()), "a live sequence has no text state"
 
 
 def default_num_blocks(model: LoadedModel, config: EngineConfig) -> int:
@@ -247,11 +292,20 @@ def kv_bytes_per_token(model: LoadedModel, dtype: str) -> int:
     return 2 * layers * width * (4 if dtype == "float32" else 2)
 
 
-def _eos_ids(model: LoadedModel) -> frozenset[int]:
-    eos = model.eos_token_id
-    if eos is None:
-        return frozenset()
-    return frozenset(eos) if isinstance(eos, (list, tuple, set, frozenset)) else frozenset({int(eos)})
+def eos_ids(model: LoadedModel) -> frozenset[int]:
+    """Every id that ends a sequence: those the model config and the generation config name (one
+    id or a list each: Llama-3 lists its end-of-turn ids), else the tokenizer's eos."""
+    named: set[int] = set()
+    generation = getattr(model.model, "generation_config", None)
+    for source in (model.model.config, generation):
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, (list, tuple, set, frozenset)):
+            named.update(int(e) for e in eos)
+        elif eos is not None:
+            named.add(int(eos))
+    if not named and getattr(model.tokenizer, "eos_token_id", None) is not None:
+        named.add(int(model.tokenizer.eos_token_id))
+    return frozenset(named)
 
 
 def _params(max_new_tokens: int, stop: str | Seq[str], temperature: float, top_p: float,

@@ -1,10 +1,17 @@
-"""What the engine tells the world: one event per token made and one per sequence finished."""
+"""What the engine tells the world: one event per token made and one per sequence finished.
+
+Each event carries ``step``, the number of the engine step that made it (the engine's step clock,
+see ``BatchEngine.step``): steps do not jitter with the machine the way seconds do. Events made
+outside an engine (test doubles) default to step 0, which no engine step has.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal, Union
 
-FinishReason = Literal["length", "eos", "stop", "cancelled"]
+FinishReason = Literal["length", "eos", "stop", "cancelled", "error"]
+"""Why a request left the engine. ``error``: this request alone failed inside a step (its next
+token could not be drawn); its blocks were released and its neighbours went on."""
 
 
 @dataclass(frozen=True)
@@ -26,16 +33,22 @@ class TokenEvent:
     token_id: int
     text: str
     time: float  # time.perf_counter() when the token was sampled
+    step: int = 0  # the engine step that sampled it (1 is the first)
 
 
 @dataclass(frozen=True)
 class FinishEvent:
-    """Request ``rid`` left the engine; its blocks were released at ``time`` (perf_counter)."""
+    """Request ``rid`` left the engine; its blocks were released at ``time`` (perf_counter).
+
+    ``error`` is a short message fit for a client when ``reason == "error"`` (no internal names).
+    """
 
     rid: str
     reason: FinishReason
     usage: Usage
     time: float
+    step: int = 0  # the engine step that released it (1 is the first)
+    error: str | None = None
 
 
 Event = Union[TokenEvent, FinishEvent]

@@ -14,15 +14,21 @@ from typing import Literal
 from labkit.engine.cache import BlockManager
 from labkit.engine.events import FinishReason
 from labkit.engine.sequence import Sequence, Status
+from labkit.errors import DoubleFree
 
 Verb = Literal["submit", "cancel", "pause", "resume"]
 
 
 @dataclass(frozen=True)
 class Command:
+    """A wish about request ``rid``. ``number`` names the sequence the caller meant (the one that
+    held the id when the wish was made), so that a wish arriving after that request finished and
+    its id was taken again never touches the newer request."""
+
     verb: Verb
     rid: str
     seq: Sequence | None = None
+    number: int | None = None
 
 
 class Inbox:
@@ -70,8 +76,8 @@ class Scheduler:
             self.waiting.append(command.seq)
             return None
         seq = self.live.get(command.rid)
-        if seq is None:  # unknown or already finished: a harmless no-op
-            return None
+        if seq is None or (command.number is not None and seq.number != command.number):
+            return None  # unknown, already finished, or meant for an earlier holder of the id: a no-op
         if command.verb == "cancel":
             self.finish(seq, "cancelled")
             return seq
@@ -91,7 +97,7 @@ class Scheduler:
                 continue
             if len(self.running) >= self.max_batch or not self.blocks.can_allocate(seq.reservation):
                 break
-            self.blocks.allocate(seq.rid, seq.reservation)
+            self.blocks.allocate(seq.number, seq.reservation)
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -111,22 +117,30 @@ class Scheduler:
 
     # -- the one place a sequence leaves -------------------------------------------------
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Mark ``seq`` finished and release its blocks; finishing it twice raises DoubleFree."""
+        """Mark ``seq`` finished and release its blocks; finishing it twice raises DoubleFree.
+
+        The status is checked first and the books are keyed by ``seq.number``, so a second finish
+        raises without touching anything, even after its id has been given to a newer request.
+        """
+        if seq.status is Status.FINISHED:
+            raise DoubleFree(f"sequence {seq.number} ({seq.rid!r}) finished twice ({seq.finish_reason}, then {reason})")
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-            self.blocks.deallocate(seq.rid)
-        elif seq.status is Status.WAITING:
-            self.waiting.remove(seq)
+            self.blocks.deallocate(seq.number)
         else:
-            self.blocks.deallocate(seq.rid)  # not held any more: raises DoubleFree, loudly
+            self.waiting.remove(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
-        self.live.pop(seq.rid, None)
+        if self.live.get(seq.rid) is seq:
+            del self.live[seq.rid]
 
     def check_integrity(self) -> None:
-        running = {s.rid for s in self.running}
-        waiting = {s.rid for s in self.waiting}
+        running = {s.number for s in self.running}
+        waiting = {s.number for s in self.waiting}
         assert not running & waiting, "a sequence is both running and waiting"
-        assert running | waiting == set(self.live), "live sequences differ from running + waiting"
+        assert running | waiting == {s.number for s in self.live.values()}, "live sequences differ from running + waiting"
+        assert all(rid == s.rid for rid, s in self.live.items()), "a live sequence is filed under another id"
+        assert all(s.status is Status.RUNNING for s in self.running), "a running sequence is not RUNNING"
+        assert all(s.status is Status.WAITING for s in self.waiting), "a waiting sequence is not WAITING"
         assert len(self.running) <= self.max_batch, "batch limit exceeded"
         self.blocks.check_integrity(running)
