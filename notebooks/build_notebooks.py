@@ -64,7 +64,7 @@ def serve_and_run(module: str):
     return ignore(f"""
         started = time.perf_counter()
         with labkit.serve_in_thread(**{module}.server_options(config)) as server:
-            print(f"serving {{server.engine.model.name}} at {{server.url}}, batch limit {{server.config.max_batch}}")
+            print(f"serving {{server.engine.model.name}} at {{server.url}}, batch limit {{server.config.engine.max_batch}}")
             tables = {module}.run(config, server=server)
         elapsed = time.perf_counter() - started
         print(f"server stopped after {{elapsed:.1f}} s")

@@ -100,9 +100,9 @@ def test_openai_client_sees_a_422_for_unsupported_options(server: Any) -> None:
 
 
 def test_service_config_names_the_bad_setting() -> None:
-    from labkit.server import ServiceConfig
+    from labkit.service.config import ServiceConfig
 
     for bad in [{"policy": "lifo"}, {"max_batch": 0}, {"response_class": "mine"}, {"pad_bytes": -1},
                 {"keepalive_interval": 0}, {"port": 70000}]:
         with pytest.raises(ValueError, match=next(iter(bad))):
-            ServiceConfig(**bad)
+            ServiceConfig.of(**bad)
