@@ -40,10 +40,12 @@ def _add_demo(sub) -> None:
 
 
 def _add_bench(sub) -> None:
+    from labkit.engine.config import _DTYPES as DTYPES  # the one list (light: no torch)
+
     p = sub.add_parser("bench", help="benchmarks: decode-step cost and generation throughput")
     p.add_argument("what", choices=["step", "generate"])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--batches", default="1,2,4,8,16,32", help="step: comma-separated batch sizes")
     p.add_argument("--context", type=int, default=64, help="step: tokens already in each sequence's cache")
     p.add_argument("--requests", type=int, default=32, help="generate: number of requests")
