@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 import httpx
-
 from service_helpers import TIMEOUT, RawClient, lab_server, wait_until
 
 

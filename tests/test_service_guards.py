@@ -6,9 +6,9 @@ from typing import Any
 
 import httpx
 import pytest
+from service_helpers import TIMEOUT, lab_server
 
 from labkit.service.guards import host_name
-from service_helpers import TIMEOUT, lab_server
 
 
 def get(server: Any, path: str, host: str) -> httpx.Response:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Callable, ClassVar
 
@@ -35,16 +36,20 @@ from labkit.service.errors import envelope
 CLOSE_REASONS = ("idle_timeout", "header_timeout", "body_timeout", "send_timeout", "over_capacity")
 
 
+@dataclass(frozen=True)
+class Guards:
+    http: HttpConfig
+    retry_after_s: int
+    on_close: Callable[[str], None]  # called with one of CLOSE_REASONS
+
+
 def guarded_protocol(http: HttpConfig, retry_after_s: int, on_close: Callable[[str], None]) -> type[GuardedH11Protocol]:
     """A protocol class for ``uvicorn.Config(http=...)`` with these settings."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,),
-                {"http": http, "retry_after_s": retry_after_s, "on_close": staticmethod(on_close)})
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guards": Guards(http, retry_after_s, on_close)})
 
 
 class GuardedH11Protocol(H11Protocol):
-    http: ClassVar[HttpConfig] = HttpConfig()
-    retry_after_s: ClassVar[int] = 1
-    on_close: ClassVar[Callable[[str], None]] = staticmethod(lambda reason: None)
+    guards: ClassVar[Guards] = Guards(HttpConfig(), 1, lambda reason: None)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -90,7 +95,7 @@ class GuardedH11Protocol(H11Protocol):
         self._cancel_phase()
         self.phase = phase
         if phase is not None:
-            self._phase_timer = self.loop.call_later(getattr(self.http, f"{phase}_timeout"), self._expire, phase)
+            self._phase_timer = self.loop.call_later(getattr(self.guards.http, f"{phase}_timeout"), self._expire, phase)
 
     def _cancel_phase(self) -> None:
         if self._phase_timer is not None:
@@ -101,13 +106,13 @@ class GuardedH11Protocol(H11Protocol):
         self._phase_timer = None
         if self.transport.is_closing():
             return
-        self.on_close(f"{phase}_timeout")
+        self.guards.on_close(f"{phase}_timeout")
         if phase == "header":
             self.transport.write(_raw_response(408, "request_timeout",
-                                               f"the request head did not arrive within {self.http.header_timeout} s"))
+                                               f"the request head did not arrive within {self.guards.http.header_timeout} s"))
         elif phase == "body" and self.cycle is not None and not self.cycle.response_started:
             self.transport.write(_raw_response(408, "request_timeout",
-                                               f"the request body did not arrive within {self.http.body_timeout} s"))
+                                               f"the request body did not arrive within {self.guards.http.body_timeout} s"))
         if self.cycle is not None:  # the app sees http.disconnect; its later sends are dropped
             self.cycle.disconnected = True
             self.cycle.message_event.set()
@@ -125,7 +130,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _arm_send(self) -> None:
         self._send_buffered = self.transport.get_write_buffer_size()
-        self._send_timer = self.loop.call_later(self.http.send_timeout, self._send_expired)
+        self._send_timer = self.loop.call_later(self.guards.http.send_timeout, self._send_expired)
 
     def _cancel_send(self) -> None:
         if self._send_timer is not None:
@@ -139,17 +144,17 @@ class GuardedH11Protocol(H11Protocol):
         if self.transport.get_write_buffer_size() < self._send_buffered:
             self._arm_send()  # the client reads, slowly: that is progress
             return
-        self.on_close("send_timeout")
+        self.guards.on_close("send_timeout")
         self.transport.abort()  # RST: the kernel drops what it holds for this client
 
     # -- the cap --------------------------------------------------------------------------------
     def _capped(self, app: Any) -> Any:
         async def capped(scope: Any, receive: Any, send: Any) -> None:
-            if scope["type"] == "http" and len(self.connections) > self.http.max_connections:
-                self.on_close("over_capacity")
-                message = f"more than {self.http.max_connections} connections are open; retry later"
+            if scope["type"] == "http" and len(self.connections) > self.guards.http.max_connections:
+                self.guards.on_close("over_capacity")
+                message = f"more than {self.guards.http.max_connections} connections are open; retry later"
                 await send({"type": "http.response.start", "status": 503,
-                            "headers": _headers(_body("over_capacity", message), self.retry_after_s)})
+                            "headers": _headers(_body("over_capacity", message), self.guards.retry_after_s)})
                 await send({"type": "http.response.body", "body": _body("over_capacity", message)})
                 return
             await app(scope, receive, send)

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_v
 from starlette.types import Message, Send
 
 from labkit.service.errors import ServiceError
-from labkit.service.responses import ClosingStreamingResponse, SSE_HEADERS, SSE_MEDIA_TYPE
+from labkit.service.responses import SSE_HEADERS, SSE_MEDIA_TYPE, ClosingStreamingResponse
 from labkit.service.streaming import Number, service_of
 from labkit.sse import ServerSentEvent
 
