@@ -40,10 +40,12 @@ def _add_demo(sub) -> None:
 
 
 def _add_bench(sub) -> None:
+    from labkit.engine.config import _DTYPES as DTYPES  # the one list (light: no torch)
+
     p = sub.add_parser("bench", help="benchmarks: decode-step cost and generation throughput")
     p.add_argument("what", choices=["step", "generate"])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--batches", default="1,2,4,8,16,32", help="step: comma-separated batch sizes")
     p.add_argument("--context", type=int, default=64, help="step: tokens already in each sequence's cache")
     p.add_argument("--requests", type=int, default=32, help="generate: number of requests")
@@ -61,9 +63,9 @@ def _bench(args) -> None:
     from labkit import bench
 
     if args.what == "step":
-        cfg = bench.StepBench(model=args.model, batches=tuple(int(b) for b in args.batches.split(",")),
-                              context=args.context, dtype=args.dtype)
-        table = bench.bench_step(cfg)
+        step = bench.StepBench(model=args.model, batches=tuple(int(b) for b in args.batches.split(",")),
+                               context=args.context, dtype=args.dtype)
+        table = bench.bench_step(step)
     else:
         cfg = bench.GenerateBench(model=args.model, requests=args.requests, new_tokens=args.new_tokens,
                                   dtype=args.dtype, with_generate_batch=not args.no_generate_batch,
@@ -85,7 +87,8 @@ def _add_serve(sub) -> None:
     try:
         from labkit.server import add_serve_arguments, serve_from_args
     except ImportError as exc:  # pragma: no cover - only while the service is absent
-        p.set_defaults(func=lambda args: sys.exit(f"labkit serve is unavailable: {exc}"))
+        reason = f"labkit serve is unavailable: {exc}"  # ``exc`` is unbound after the block
+        p.set_defaults(func=lambda args: sys.exit(reason))
         return
     add_serve_arguments(p)
     p.set_defaults(func=serve_from_args)
@@ -96,7 +99,8 @@ def _add_run(sub) -> None:
     try:
         from labkit.experiments.cli import add_run_arguments, run_from_args
     except ImportError as exc:  # pragma: no cover - only while the experiments are absent
-        p.set_defaults(func=lambda args: sys.exit(f"labkit run is unavailable: {exc}"))
+        reason = f"labkit run is unavailable: {exc}"  # ``exc`` is unbound after the block
+        p.set_defaults(func=lambda args: sys.exit(reason))
         return
     add_run_arguments(p)
     p.set_defaults(func=run_from_args)

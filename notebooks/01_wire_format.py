@@ -51,7 +51,7 @@ settings_table(config)
 # %%
 # NBVAL_IGNORE_OUTPUT
 with measuring(wire, config, profile) as progress, labkit.serve_in_thread(**wire.server_options(config)) as server:
-    print(f"serving {server.engine.model.name} at {server.url}, batch limit {server.config.max_batch}")
+    print(f"serving {server.engine.model.name} at {server.url}, batch limit {server.config.engine.max_batch}")
     tables = wire.run(config, server=server, progress=progress)
 elapsed = progress.elapsed_s
 

@@ -49,7 +49,7 @@ settings_table(config)
 # %%
 # NBVAL_IGNORE_OUTPUT
 with measuring(isolation, config, profile) as progress, labkit.serve_in_thread(**isolation.server_options(config)) as server:
-    print(f"serving {server.engine.model.name} at {server.url}, batch limit {server.config.max_batch}")
+    print(f"serving {server.engine.model.name} at {server.url}, batch limit {server.config.engine.max_batch}")
     tables = isolation.run(config, server=server, progress=progress)
 elapsed = progress.elapsed_s
 

@@ -70,7 +70,7 @@ settings_table(config)
 # %%
 # NBVAL_IGNORE_OUTPUT
 with measuring(slowclient, config, profile) as progress, labkit.serve_in_thread(**slowclient.server_options(config)) as server:
-    print(f"serving {server.engine.model.name} at {server.url}, batch limit {server.config.max_batch}")
+    print(f"serving {server.engine.model.name} at {server.url}, batch limit {server.config.engine.max_batch}")
     tables = slowclient.run(config, server=server, progress=progress)
 elapsed = progress.elapsed_s
 

@@ -51,7 +51,7 @@ def test_a_bad_request_is_refused_with_a_json_envelope(server: Any, path: str, d
 
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_body_over_the_size_limit_gets_413_before_anything_reads_it(server: Any, chunked: bool) -> None:
-    body = b'{"prompt": "' + b"word " * (server.config.max_body_bytes // 5 + 1) + b'"}'
+    body = b'{"prompt": "' + b"word " * (server.config.http.max_body_bytes // 5 + 1) + b'"}'
     content = iter([body[i:i + 65536] for i in range(0, len(body), 65536)]) if chunked else body
     before = len(server.hub.records())
     with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
@@ -100,9 +100,9 @@ def test_openai_client_sees_a_422_for_unsupported_options(server: Any) -> None:
 
 
 def test_service_config_names_the_bad_setting() -> None:
-    from labkit.server import ServiceConfig
+    from labkit.service.config import ServiceConfig
 
     for bad in [{"policy": "lifo"}, {"max_batch": 0}, {"response_class": "mine"}, {"pad_bytes": -1},
                 {"keepalive_interval": 0}, {"port": 70000}]:
         with pytest.raises(ValueError, match=next(iter(bad))):
-            ServiceConfig(**bad)
+            ServiceConfig.of(**bad)

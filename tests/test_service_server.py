@@ -7,13 +7,13 @@ import signal
 import socket
 import subprocess
 import sys
-from dataclasses import fields
 from pathlib import Path
 
 import httpx
 import pytest
 
-from labkit.server import ServiceConfig, add_serve_arguments, config_from_args
+from labkit.server import add_serve_arguments, config_from_args
+from labkit.service.config import ServiceConfig, leaves
 from service_helpers import TIMEOUT, RawClient, lab_server, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,14 +29,14 @@ def test_every_setting_is_a_flag_and_parses_into_the_config() -> None:
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     flags = {option for action in parser._actions for option in action.option_strings}
-    for f in fields(ServiceConfig):
+    for _, _, f in leaves():
         assert "--" + f.name.replace("_", "-") in flags, f.name
     args = parse(["--model", "tiny-gpt2", "--policy", "pause", "--max-waiting", "none", "--no-batch-invariant",
                   "--stall-timeout", "0.5", "--response-class", "write_only", "--port", "9001"])
     config = config_from_args(args)
-    assert args.model == "tiny-gpt2" and config.policy == "pause" and config.max_waiting is None
-    assert config.batch_invariant is False and config.stall_timeout == 0.5 and config.port == 9001
-    assert config.response_class == "write_only" and config.host == "127.0.0.1"
+    assert args.model == "tiny-gpt2" and config.hub.policy == "pause" and config.engine.max_waiting is None
+    assert config.engine.batch_invariant is False and config.hub.stall_timeout == 0.5 and config.http.port == 9001
+    assert config.response_class == "write_only" and config.http.host == "127.0.0.1"
     assert config_from_args(parse([])) == ServiceConfig()
 
 
@@ -103,4 +103,4 @@ def test_sndbuf_bounds_what_a_client_that_never_reads_can_absorb(tiny_gpt2) -> N
 @pytest.mark.parametrize("value", [0, 1024, -1])
 def test_sndbuf_below_one_page_is_refused(value: int) -> None:
     with pytest.raises(ValueError, match="sndbuf"):
-        ServiceConfig(sndbuf=value)
+        ServiceConfig.of(sndbuf=value)

@@ -1,11 +1,21 @@
 """Shutdown: stop admitting (503), end every open stream with ``error: shutdown``, release all."""
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
+from service_helpers import TIMEOUT, RawClient, lab_server, occupy_a_slot, wait_until
 
-from service_helpers import TIMEOUT, RawClient, lab_server, occupy_a_slot
+REPO = Path(__file__).resolve().parents[1]
 
 
 def open_and_hold(server: Any, count: int) -> list[RawClient]:
@@ -42,3 +52,70 @@ def test_healthz_is_ok_while_serving(tiny_gpt2: Any) -> None:
     with lab_server(tiny_gpt2) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
         response = http.get("/healthz")
         assert response.status_code == 200 and response.json() == {"status": "ok", "model": "tiny-gpt2"}
+
+
+def test_a_generate_in_flight_at_the_drain_gets_503_with_retry_after(tiny_gpt2: Any) -> None:
+    """Every 503 says when to come back, including one made by a route after the drain began."""
+    with lab_server(tiny_gpt2, max_batch=1, retry_after_s=3) as server:
+        holder = occupy_a_slot(server)
+        with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+            pending = pool.submit(http.post, "/v1/generate", json={"prompt": "Hi", "max_new_tokens": 4})
+            wait_until(lambda: server.engine.stats()["waiting"] == 1, what="the generate to wait for the slot")
+            server.drain()
+            response = pending.result(TIMEOUT)
+        holder.read_to_end()
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"] == "3"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_labkit_serve_exits_cleanly_within_the_drain_grace_on_sigterm() -> None:
+    """A real ``labkit serve``: one client that never reads (its writer blocks on full buffers),
+    one /v1/generate waiting for the slot it holds; SIGTERM. The process exits 0, within
+    drain_grace (plus a generous allowance for interpreter exit), with no traceback."""
+    grace, port = 2.0, free_port()
+    argv = [sys.executable, "-m", "labkit.cli", "serve", "--model", "tiny-gpt2", "--port", str(port),
+            "--policy", "pause", "--max-batch", "1", "--pad-bytes", "262144", "--sndbuf", "4096",
+            "--drain-grace", str(grace), "--log-level", "warning"]
+    proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _healthy(url) or proc.poll() is not None, timeout=120, what="the server to start")
+        assert proc.poll() is None
+        blocked = RawClient(url, rcvbuf=4096).post("/v1/stream", {"prompt": "Hello", "max_new_tokens": 400})
+        wait_until(lambda: httpx.get(url + "/stats", timeout=TIMEOUT).json()["paused"] == 1,
+                   what="the reader's stream to be paused")
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, url + "/v1/generate", json={"prompt": "Hi", "max_new_tokens": 4},
+                                  timeout=TIMEOUT)
+            wait_until(lambda: httpx.get(url + "/stats", timeout=TIMEOUT).json()["waiting"] == 1,
+                       what="the generate to wait for the slot")
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(TIMEOUT)
+            elapsed = time.monotonic() - started
+            response = pending.result(TIMEOUT)
+        blocked.sock.close()
+        _, stderr = proc.communicate(timeout=TIMEOUT)
+        assert code == 0, stderr
+        assert elapsed < grace + 2.0, (elapsed, stderr)
+        assert "Traceback" not in stderr and "CancelledError" not in stderr, stderr
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

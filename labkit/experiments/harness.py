@@ -247,7 +247,7 @@ def server_like(given: Any, model: Any, **settings: Any) -> Iterator[Any]:
     class, send buffer), while a notebook starts one server itself; the model is loaded once and
     shared, and only one of these servers runs at a time.
     """
-    if given is not None and all(getattr(given.config, k, None) == v for k, v in settings.items()):
+    if given is not None and all(given.config.flat().get(k) == v for k, v in settings.items()):
         yield given
         return
     with serving(None, model=model, **settings) as server:

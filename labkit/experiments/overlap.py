@@ -206,7 +206,7 @@ def measure_delivery(srv: Any, config: Config, progress: Progress | None) -> pd.
     bodies = [_body(p, config.joiner_tokens) for p in PROMPTS[: config.delivery_streams]]
     rows = []
     for mode in ("prefill", "step_end"):
-        given = srv if srv.config.first_token == mode else None
+        given = srv if srv.config.hub.first_token == mode else None
         options = {**server_options(config), "model": srv.engine.model, "first_token": mode}
         with serving(given, **options) as server:
             for rep in range(config.repetitions):

@@ -2,10 +2,12 @@
 
 Routes live in modules named for what they serve: ``streaming`` (``/v1/stream``,
 ``/v1/generate``), ``openai`` (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``),
-``resume`` (``/v1/streams/{id}/events``), ``lab`` (``/lab/...``); operations (``/stats``,
-``/healthz``, ``/metrics``) are here. Every route is ``async def``: a sync route or dependency
-would run in AnyIO's thread pool, and the lab promises that it starts no thread but the step
-thread (and the server's own, in ``serve_in_thread``).
+``resume`` (``/v1/streams/{id}/events``), ``lab`` (``/lab/...``, mounted only when
+``http.lab_routes`` asks for it); operations (``/stats``, ``/healthz``, ``/metrics``) are here.
+Every request first passes the guards (an allowed ``Host``, ``Retry-After`` on every 503) and the
+body limit. Every route is ``async def``: a sync route or dependency would run in AnyIO's
+thread pool, and the lab promises that it starts no thread but the step thread (and the
+server's own, in ``serve_in_thread``).
 
 Shutdown happens in two steps. :meth:`Service.drain` runs while uvicorn still serves (see
 ``labkit.server.LabServer``): new requests get 503, every open stream ends with an ``error`` of
@@ -15,17 +17,16 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from labkit.service import lab, openai, resume, streaming
+from labkit.service.config import ServiceConfig
 from labkit.service.errors import BodyLimit, error_response, install_error_handlers
+from labkit.service.guards import HostGuard, RetryAfterOn503
 from labkit.service.state import Service
-
-if TYPE_CHECKING:  # pragma: no cover
-    from labkit.server import ServiceConfig
 
 
 def build_app(engine: Any, hub: Any, config: ServiceConfig) -> FastAPI:
@@ -41,11 +42,15 @@ def build_app(engine: Any, hub: Any, config: ServiceConfig) -> FastAPI:
             await service.aclose()
 
     app = FastAPI(title="labkit streamlab", version="0.1.0", lifespan=lifespan)
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=config.http.max_body_bytes)
+    app.add_middleware(RetryAfterOn503, retry_after_s=config.retry_after_s)
+    app.add_middleware(HostGuard, allowed=config.http.allowed_hosts)  # added last: runs first
     app.state.service = service
     install_error_handlers(app, config.retry_after_s)
-    for module in (streaming, openai, resume, lab):
+    for module in (streaming, openai, resume):
         app.include_router(module.router)
+    if config.http.lab_routes:
+        app.include_router(lab.router)
     _add_operations(app)
     return app
 
@@ -59,7 +64,7 @@ def _add_operations(app: FastAPI) -> None:
     async def healthz(request: Request) -> Response:
         service: Service = request.app.state.service
         if service.hub.draining:
-            return error_response(503, "draining", "the server is draining", {"Retry-After": "1"})
+            return error_response(503, "draining", "the server is draining")
         if not service.hub.stats()["step_thread_alive"]:
             return error_response(503, "internal_error", "the step thread is not running")
         return JSONResponse({"status": "ok", "model": service.model_name})

@@ -20,7 +20,8 @@ from labkit.errors import InvalidRequest, LabkitError, PromptTooLong, QueueFull
 from labkit.hub import Draining
 from labkit.schema import ERROR_TYPES, error_envelope
 
-HTTP_ONLY_TYPES = frozenset({"not_found", "gone", "method_not_allowed", "payload_too_large", "http_error"})
+HTTP_ONLY_TYPES = frozenset({"not_found", "gone", "method_not_allowed", "payload_too_large", "http_error",
+                             "request_timeout", "over_capacity", "invalid_host"})
 
 
 class ServiceError(LabkitError):

@@ -1,5 +1,9 @@
 """Lab routes: things the experiments need that a production server would not expose.
 
+They are mounted only when ``HttpConfig.lab_routes`` is on (``labkit serve --lab-routes``;
+``serve_in_thread`` turns it on): the records name every request, and a flood writes as much as
+it is asked to, so neither belongs on a server that anyone but the lab can reach.
+
 ``GET /lab/streams`` and ``GET /lab/streams/{request_id}``: the hub's per-stream records
 (submit, first token sampled / queued / taken, close, engine release, tokens generated and
 delivered, how it ended), all ``time.perf_counter()`` seconds on the server's clock.
@@ -11,7 +15,9 @@ point where the write blocked; the bytes of every send before it are "bytes acce
 write blocks" (the app-level answer: uvicorn's transport buffer plus both kernels' socket
 buffers). A client that never reads sends the request on a raw socket with its own
 ``flood_id``, reads nothing, polls ``GET /lab/flood/{flood_id}`` from another connection until
-``blocked`` is true, then closes; events are built as they are written, never stored.
+``blocked`` is true, then closes; events are built as they are written, never stored. A flood
+is bounded: events of at most ``FLOOD_MAX_EVENT_BYTES``, at most ``FLOOD_MAX_EVENTS`` of them,
+``FLOOD_MAX_BYTES`` in all (422 beyond), which is well past any buffer the lab measures.
 """
 from __future__ import annotations
 
@@ -22,15 +28,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 from starlette.types import Message, Send
 
 from labkit.service.errors import ServiceError
-from labkit.service.responses import ClosingStreamingResponse, SSE_HEADERS, SSE_MEDIA_TYPE
+from labkit.service.responses import SSE_HEADERS, SSE_MEDIA_TYPE, ClosingStreamingResponse
 from labkit.service.streaming import Number, service_of
 from labkit.sse import ServerSentEvent
 
 router = APIRouter()
+FLOOD_MAX_EVENT_BYTES = 1 << 20
+FLOOD_MAX_EVENTS = 1_000_000
+FLOOD_MAX_BYTES = 64 << 20
 
 
 @router.get("/lab/streams")
@@ -49,9 +58,16 @@ async def one_record(request: Request, request_id: str) -> dict[str, Any]:
 class FloodRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     flood_id: StrictStr | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    event_bytes: StrictInt = Field(1024, ge=32, le=16 * 2**20)
-    count: StrictInt = Field(256, ge=1, le=1_000_000)
+    event_bytes: StrictInt = Field(1024, ge=32, le=FLOOD_MAX_EVENT_BYTES)
+    count: StrictInt = Field(256, ge=1, le=FLOOD_MAX_EVENTS)
     block_threshold: Number = Field(0.05, gt=0, le=10)
+
+    @model_validator(mode="after")
+    def bounded(self) -> FloodRequest:
+        if self.event_bytes * self.count > FLOOD_MAX_BYTES:
+            raise ValueError(f"event_bytes * count must be at most {FLOOD_MAX_BYTES} bytes, "
+                             f"got {self.event_bytes * self.count}")
+        return self
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -29,6 +29,9 @@ class Metrics:
         self.gap = Histogram("labkit_inter_token_gap_seconds",
                              "Between consecutive tokens taken by one stream's writer.",
                              buckets=GAP_BUCKETS, registry=self.registry)
+        self.connections_closed = Counter("labkit_connections_closed",
+                                          "Connections the server closed itself, by reason (a timeout, the cap).",
+                                          ["reason"], registry=self.registry)
         self.registry.register(StateCollector(hub, engine))
 
     def first_token(self, seconds: float) -> None:
@@ -36,6 +39,9 @@ class Metrics:
 
     def token_gap(self, seconds: float) -> None:
         self.gap.observe(seconds)
+
+    def connection_closed(self, reason: str) -> None:
+        self.connections_closed.labels(reason).inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

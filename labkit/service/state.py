@@ -13,7 +13,7 @@ from labkit.service.resume import ResumeRegistry
 from labkit.streams import Stream
 
 if TYPE_CHECKING:  # pragma: no cover
-    from labkit.server import ServiceConfig
+    from labkit.service.config import ServiceConfig
 
 
 class Service:
@@ -41,9 +41,9 @@ class Service:
         while len(self.floods) > keep:
             self.floods.popitem(last=False)
 
-    async def drain(self) -> None:
-        """Stop admitting, end open streams with ``error: shutdown``, wait up to the grace period."""
-        await self.hub.drain(self.config.drain_grace)
+    async def drain(self, grace: float | None = None) -> None:
+        """Stop admitting, end open streams with ``error: shutdown``, wait up to ``grace`` (default: drain_grace)."""
+        await self.hub.drain(self.config.drain_grace if grace is None else grace)
 
     async def aclose(self) -> None:
         """After uvicorn stopped serving: stop resume pumps, then the step thread."""

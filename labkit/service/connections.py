@@ -1,0 +1,182 @@
+"""Connection guards: uvicorn's h11 protocol with head, body, idle and send timeouts and a cap.
+
+uvicorn (0.54, h11 protocol, read from site-packages) arms one timer: keep-alive, after a
+response completes. A fresh connection that sends nothing, a request head sent a byte at a time,
+a body that never ends, and a response the client stops reading all hold their socket (and, for
+the last, the writer coroutine) for as long as the client likes. :class:`GuardedH11Protocol`
+adds one timer per phase of a request, read from h11's state after every read:
+
+* ``idle``: no byte of the next request yet (a fresh connection, or after a response);
+  on expiry the connection is closed.
+* ``header``: some bytes, no complete head: 408 with the JSON envelope, then close.
+* ``body``: head complete, body not: 408 (if no response started), then close.
+* ``send``: the transport's buffer is over its high-water mark and the writer waits; if the
+  buffer has not shrunk after ``send_timeout``, the connection is aborted (RST), which wakes the
+  writer (uvicorn marks the cycle disconnected) and frees the socket at once.
+
+A phase's timer starts when the phase starts and is not restarted by bytes within it, so a
+trickle does not keep a connection alive. The cap is on open connections: a request arriving
+while more than ``max_connections`` are open is answered 503 with ``Retry-After`` and the
+connection is closed after it. Each close is reported through ``on_close(reason)``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Callable, ClassVar
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from labkit.service.config import HttpConfig
+from labkit.service.errors import envelope
+
+CLOSE_REASONS = ("idle_timeout", "header_timeout", "body_timeout", "send_timeout", "over_capacity")
+
+
+@dataclass(frozen=True)
+class Guards:
+    http: HttpConfig
+    retry_after_s: int
+    on_close: Callable[[str], None]  # called with one of CLOSE_REASONS
+
+
+def guarded_protocol(http: HttpConfig, retry_after_s: int, on_close: Callable[[str], None]) -> type[GuardedH11Protocol]:
+    """A protocol class for ``uvicorn.Config(http=...)`` with these settings."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guards": Guards(http, retry_after_s, on_close)})
+
+
+class GuardedH11Protocol(H11Protocol):
+    guards: ClassVar[Guards] = Guards(HttpConfig(), 1, lambda reason: None)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.phase: str | None = None
+        self._phase_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._send_buffered = 0
+        self.app = self._capped(self.app)
+
+    # -- phases -------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._follow_phase()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._follow_phase()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._unset_keepalive_if_required()  # the idle timer below replaces uvicorn's keep-alive
+        self._follow_phase()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_phase()
+        self._cancel_send()
+        super().connection_lost(exc)
+
+    def _current_phase(self) -> str | None:
+        if self.transport is None or self.transport.is_closing():
+            return None
+        state = self.conn.their_state
+        if state is h11.IDLE:
+            return "header" if self.conn.trailing_data[0] else "idle"
+        if state is h11.SEND_BODY:
+            return "body"
+        return None  # the request is in, or the connection is ending: the send timer's turn
+
+    def _follow_phase(self) -> None:
+        phase = self._current_phase()
+        if phase == self.phase:
+            return
+        self._cancel_phase()
+        self.phase = phase
+        if phase is not None:
+            self._phase_timer = self.loop.call_later(getattr(self.guards.http, f"{phase}_timeout"), self._expire, phase)
+
+    def _cancel_phase(self) -> None:
+        if self._phase_timer is not None:
+            self._phase_timer.cancel()
+            self._phase_timer = None
+
+    def _expire(self, phase: str) -> None:
+        self._phase_timer = None
+        if self.transport.is_closing():
+            return
+        self.guards.on_close(f"{phase}_timeout")
+        if phase == "header":
+            self.transport.write(_raw_response(408, "request_timeout",
+                                               f"the request head did not arrive within {self.guards.http.header_timeout} s"))
+        elif phase == "body" and self.cycle is not None and not self.cycle.response_started:
+            self.transport.write(_raw_response(408, "request_timeout",
+                                               f"the request body did not arrive within {self.guards.http.body_timeout} s"))
+        if self.cycle is not None:  # the app sees http.disconnect; its later sends are dropped
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        self.transport.close()
+
+    # -- sends --------------------------------------------------------------------------------
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._arm_send()
+
+    def resume_writing(self) -> None:
+        self._cancel_send()
+        super().resume_writing()
+
+    def _arm_send(self) -> None:
+        self._send_buffered = self.transport.get_write_buffer_size()
+        self._send_timer = self.loop.call_later(self.guards.http.send_timeout, self._send_expired)
+
+    def _cancel_send(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_expired(self) -> None:
+        self._send_timer = None
+        if self.transport.is_closing():
+            return
+        if self.transport.get_write_buffer_size() < self._send_buffered:
+            self._arm_send()  # the client reads, slowly: that is progress
+            return
+        self.guards.on_close("send_timeout")
+        self.transport.abort()  # RST: the kernel drops what it holds for this client
+
+    # -- the cap --------------------------------------------------------------------------------
+    def _capped(self, app: Any) -> Any:
+        async def capped(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http" and len(self.connections) > self.guards.http.max_connections:
+                self.guards.on_close("over_capacity")
+                message = f"more than {self.guards.http.max_connections} connections are open; retry later"
+                await send({"type": "http.response.start", "status": 503,
+                            "headers": _headers(_body("over_capacity", message), self.guards.retry_after_s)})
+                await send({"type": "http.response.body", "body": _body("over_capacity", message)})
+                return
+            await app(scope, receive, send)
+
+        return capped
+
+
+def _body(type: str, message: str) -> bytes:
+    return json.dumps(envelope(type, message)).encode()
+
+
+def _headers(body: bytes, retry_after_s: int | None = None) -> list[tuple[bytes, bytes]]:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"connection", b"close")]
+    if retry_after_s is not None:
+        headers.append((b"retry-after", str(retry_after_s).encode()))
+    return headers
+
+
+def _raw_response(status: int, type: str, message: str) -> bytes:
+    """A whole response written straight to the transport, outside h11 (whose state may not allow one)."""
+    body = _body(type, message)
+    head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()
+    head += b"".join(name + b": " + value + b"\r\n" for name, value in _headers(body)) + b"\r\n"
+    return head + body

@@ -1,0 +1,56 @@
+"""ASGI guards every request passes: an allowed ``Host``, and ``Retry-After`` on every 503.
+
+:class:`HostGuard` answers 400 in the JSON envelope when the ``Host`` header names a host
+outside ``allowed`` (the port is ignored). A page on another origin can make a browser send
+requests to 127.0.0.1 by pointing its own DNS name there (DNS rebinding); the browser still
+sends that name as ``Host``, so accepting only loopback names (by default) refuses it.
+
+:class:`RetryAfterOn503` adds ``Retry-After`` to any 503 that lacks one, whichever route or
+handler made it, so a client always learns when to come back.
+"""
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from labkit.service.errors import error_response
+
+
+def host_name(value: str) -> str:
+    """``Host`` without its port, lower case: ``[::1]:8000`` → ``[::1]``, ``Example:80`` → ``example``."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        return value[: end + 1] if end > 0 else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+class HostGuard:
+    def __init__(self, app: ASGIApp, allowed: tuple[str, ...]) -> None:
+        self.app, self.allowed, self.any = app, frozenset(allowed), "*" in allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self.any:
+            hosts = [v.decode("latin-1") for k, v in scope["headers"] if k == b"host"]
+            if len(hosts) != 1 or host_name(hosts[0]) not in self.allowed:
+                shown = repr(hosts[0][:64]) if len(hosts) == 1 else f"{len(hosts)} Host headers"
+                message = f"Host {shown} is not served here (allowed: {', '.join(sorted(self.allowed))})"
+                return await error_response(400, "invalid_host", message)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class RetryAfterOn503:
+    def __init__(self, app: ASGIApp, retry_after_s: int) -> None:
+        self.app, self.value = app, str(retry_after_s).encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_retry_after(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 503:
+                headers = list(message.get("headers", []))
+                if not any(name.lower() == b"retry-after" for name, _ in headers):
+                    message = {**message, "headers": [*headers, (b"retry-after", self.value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_retry_after)

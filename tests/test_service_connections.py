@@ -1,0 +1,137 @@
+"""Connections cost the server only as long as the client keeps its side of the exchange.
+
+Each test runs a real server with one setting made small and plays the client that breaks the
+deal on a raw socket: says nothing, sends its head a byte at a time (slowloris), stops halfway
+through its body, never reads its response, or arrives while too many connections are open.
+Before these guards uvicorn held every such socket for as long as the client liked.
+"""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from typing import Any
+
+import httpx
+from service_helpers import TIMEOUT, RawClient, lab_server, wait_until
+
+
+def connect(server: Any, rcvbuf: int | None = None) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(TIMEOUT)
+    sock.connect(("127.0.0.1", server.port))
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (FIN or RST); fails if it never does."""
+    data = bytearray()
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return bytes(data)
+        except socket.timeout:
+            raise AssertionError(f"the server kept the connection open for {TIMEOUT} s") from None
+        if not chunk:
+            return bytes(data)
+        data += chunk
+
+
+def status_and_body(raw: bytes) -> tuple[int, dict[str, Any], dict[str, str]]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), json.loads(body), headers
+
+
+def closes(server: Any) -> dict[str, float]:
+    """``labkit_connections_closed_total`` by reason, from /metrics."""
+    text = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
+    return {m[1]: float(m[2]) for m in re.finditer(r'labkit_connections_closed_total\{reason="(\w+)"\} (\S+)', text)}
+
+
+def test_a_connection_that_never_sends_a_request_is_closed_after_the_idle_timeout(tiny_gpt2: Any) -> None:
+    with lab_server(tiny_gpt2, idle_timeout=0.3) as server:
+        idle = [connect(server) for _ in range(5)]
+        for sock in idle:
+            assert read_until_closed(sock) == b""
+            sock.close()
+        assert closes(server)["idle_timeout"] == 5
+
+
+def test_a_head_sent_a_byte_at_a_time_gets_408_and_is_never_served(tiny_gpt2: Any) -> None:
+    """Slowloris: 40 bytes of head at 10 bytes/s would take 4 s; the head timeout is 0.5 s."""
+    head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with lab_server(tiny_gpt2, header_timeout=0.5) as server:
+        sock = connect(server)
+        try:
+            for byte in head:
+                sock.sendall(bytes([byte]))
+                time.sleep(0.1)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server closed on us: that is the point
+        status, body, headers = status_and_body(read_until_closed(sock))
+        sock.close()
+        assert status == 408 and body["error"]["type"] == "request_timeout", body
+        assert headers["connection"] == "close"
+        assert closes(server)["header_timeout"] == 1
+
+
+def test_a_body_that_stops_halfway_gets_408_and_the_connection_is_closed(tiny_gpt2: Any) -> None:
+    with lab_server(tiny_gpt2, body_timeout=0.5) as server:
+        sock = connect(server)
+        sock.sendall(b"POST /v1/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # then nothing more
+        status, body, _ = status_and_body(read_until_closed(sock))
+        sock.close()
+        assert status == 408 and body["error"]["type"] == "request_timeout", body
+        assert closes(server)["body_timeout"] == 1
+        assert server.hub.stats()["ends"] == {}  # nothing was submitted
+
+
+def test_requests_beyond_the_connection_cap_get_503_with_retry_after(tiny_gpt2: Any) -> None:
+    with lab_server(tiny_gpt2, max_connections=3, retry_after_s=2) as server:
+        held = [connect(server) for _ in range(3)]
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+            refused = client.get("/healthz")
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "2"
+        assert refused.json()["error"]["type"] == "over_capacity"
+        for sock in held:
+            sock.close()
+        wait_until(lambda: httpx.get(server.url + "/healthz", timeout=TIMEOUT).status_code == 200,
+                   what="a request to be served once the held connections closed")
+        assert closes(server)["over_capacity"] >= 1
+
+
+def test_a_client_that_stops_reading_is_cut_off_after_the_send_timeout(tiny_gpt2: Any) -> None:
+    """Small buffers on both ends and big events: the writer blocks on the first few tokens.
+    The unbounded policy never drops the stream, so only the send timeout can free the writer."""
+    with lab_server(tiny_gpt2, policy="unbounded", sndbuf=4096, pad_bytes=256 * 1024,
+                    send_timeout=0.5) as server:
+        reader = RawClient(server.url, rcvbuf=4096).post("/v1/stream", {"prompt": "Hello", "max_new_tokens": 50})
+        wait_until(lambda: closes(server).get("send_timeout") == 1, what="the send timeout to cut the connection")
+        wait_until(lambda: server.hub.open_streams == 0, what="the blocked writer to end")
+        assert read_until_closed(reader.sock) is not None  # the socket is closed at the server's end
+        reader.sock.close()
+
+
+def test_a_slow_but_steady_reader_is_not_cut_off(tiny_gpt2: Any) -> None:
+    """The send timeout is about no progress, not about slowness: a reader that keeps reading,
+    slower than the server writes (so the writer waits on it again and again), gets its stream."""
+    with lab_server(tiny_gpt2, policy="unbounded", sndbuf=4096, pad_bytes=64 * 1024,
+                    send_timeout=0.5) as server:
+        reader = RawClient(server.url, rcvbuf=4096).post(
+            "/v1/stream", {"prompt": "Hello", "max_new_tokens": 8, "ignore_eos": True})
+        received = bytearray()
+        while b"event: done" not in received:
+            chunk = reader.sock.recv(4096)
+            assert chunk, f"the server closed the stream after {len(received)} bytes"
+            received += chunk
+            time.sleep(0.01)
+        reader.close_fin()
+        assert len(received) > 8 * 64 * 1024
+        assert "send_timeout" not in closes(server)

@@ -1,0 +1,81 @@
+"""What every request passes before a route: the Host check, Retry-After on 503, the lab routes'
+opt-in and the flood's bounds."""
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from service_helpers import TIMEOUT, lab_server
+
+from labkit.service.guards import host_name
+
+
+def get(server: Any, path: str, host: str) -> httpx.Response:
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        return client.get(path, headers={"Host": host})
+
+
+@pytest.mark.parametrize("value, name", [("localhost", "localhost"), ("LocalHost:8000", "localhost"),
+                                         ("127.0.0.1:1", "127.0.0.1"), ("[::1]:80", "[::1]"), ("[::1]", "[::1]"),
+                                         ("evil.example:8000", "evil.example"), ("::1", "::1")])
+def test_host_name_drops_the_port_and_case(value: str, name: str) -> None:
+    assert host_name(value) == name
+
+
+def test_only_loopback_names_are_served_by_default(tiny_gpt2: Any) -> None:
+    """A DNS-rebinding page reaches 127.0.0.1 under its own name, and the browser sends that name."""
+    with lab_server(tiny_gpt2) as server:
+        for host in ("localhost", f"localhost:{server.port}", f"127.0.0.1:{server.port}", "[::1]:8000"):
+            assert get(server, "/healthz", host).status_code == 200, host
+        for host in ("evil.example", f"evil.example:{server.port}", "127.0.0.1.evil.example", "localhost.:80"):
+            refused = get(server, "/healthz", host)
+            assert refused.status_code == 400, host
+            assert refused.json()["error"]["type"] == "invalid_host"
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+            posted = client.post("/v1/generate", json={"prompt": "Hi", "max_new_tokens": 2},
+                                 headers={"Host": "evil.example"})
+        assert posted.status_code == 400 and server.hub.stats()["ends"] == {}
+
+
+def test_allowed_hosts_are_configurable(tiny_gpt2: Any) -> None:
+    with lab_server(tiny_gpt2, allowed_hosts=("api.test",)) as server:
+        assert get(server, "/healthz", "api.test:8000").status_code == 200
+        assert get(server, "/healthz", "localhost").status_code == 400
+    with lab_server(tiny_gpt2, allowed_hosts=("*",)) as server:
+        assert get(server, "/healthz", "anything.example").status_code == 200
+
+
+def test_lab_routes_are_mounted_only_when_asked_for(tiny_gpt2: Any) -> None:
+    with lab_server(tiny_gpt2, lab_routes=False) as server:
+        assert get(server, "/lab/streams", "localhost").status_code == 404
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+            assert client.post("/lab/flood", json={"count": 1}).status_code == 404
+    with lab_server(tiny_gpt2) as server:  # serve_in_thread is the lab's own server: on
+        assert get(server, "/lab/streams", "localhost").status_code == 200
+
+
+def test_labkit_serve_leaves_the_lab_routes_off() -> None:
+    from labkit.service.config import ServiceConfig
+
+    assert ServiceConfig().http.lab_routes is False
+
+
+@pytest.mark.parametrize("body", [
+    {"event_bytes": (1 << 20) + 1, "count": 1},  # one event over 1 MiB
+    {"event_bytes": 32, "count": 1_000_001},  # over a million events
+    {"event_bytes": 1 << 20, "count": 65},  # 65 MiB in all
+    {"event_bytes": 16 * 2**20, "count": 1_000_000},  # the 16 TB a request could ask for before
+])
+def test_a_flood_beyond_its_bounds_is_refused_with_422(tiny_gpt2: Any, body: dict[str, int]) -> None:
+    with lab_server(tiny_gpt2) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        with client.stream("POST", "/lab/flood", json=body) as refused:  # never read a flood to its end
+            assert refused.status_code == 422
+            assert refused.read() and refused.json()["error"]["type"] == "invalid_request"
+
+
+def test_a_flood_at_its_bounds_is_accepted(tiny_gpt2: Any) -> None:
+    with lab_server(tiny_gpt2) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        with client.stream("POST", "/lab/flood", json={"event_bytes": 1 << 20, "count": 2}) as response:
+            assert response.status_code == 200
+            assert sum(len(chunk) for chunk in response.iter_bytes()) == 2 << 20
