@@ -46,7 +46,7 @@ __all__ = [
 EVENT_TYPES = ("start", "token", "done", "error")
 ERROR_TYPES = frozenset({
     "invalid_request", "prompt_too_long", "queue_full", "draining",
-    "slow_client", "shutdown", "internal_error", "cancelled",
+    "slow_client", "shutdown", "internal_error", "cancelled", "queue_timeout",
 })
 
 # Required keys and their types, per event type; nested objects are checked one level down.

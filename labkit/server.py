@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 from labkit.engine.config import EngineConfig
 from labkit.hub import DELIVERY_MODES, Hub, HubConfig
-from labkit.policies import POLICIES
+from labkit.hub import POLICIES
 from labkit.service.responses import RESPONSE_CLASSES
 
 _ENGINE_FIELDS = ("block_size", "num_blocks", "max_batch", "max_waiting", "kv_cache_mb", "device", "dtype",

@@ -24,10 +24,10 @@ import httpx_sse
 
 from labkit.engine.events import FinishEvent, TokenEvent, Usage
 from labkit.hub import Hub, HubConfig
+from labkit.hub.stream import Item, Stream
 from labkit.schema import decode_event
 from labkit.server import RunningServer, serve_in_thread
 from labkit.sse import SSEParser
-from labkit.streams import Item, Stream
 
 TIMEOUT = 30.0  # generous liveness bound; no test asserts speed
 PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):", "The quick brown fox",
@@ -229,6 +229,8 @@ class FakeEngine:
         self.holding = threading.Event()
         self.fail = False
         self.steps = 0
+        self.stepping = False
+        self.checks = 0
 
     def submit(self, prompt: Any, *, max_new_tokens: int = 64, request_id: str | None = None, **_: Any) -> str:
         rid = request_id or f"fake-{len(self.calls)}"
@@ -257,7 +259,19 @@ class FakeEngine:
         with self.cond:
             return self.cond.wait_for(self.has_work, timeout)
 
+    def check_integrity(self) -> None:
+        """Counts the checks; raises if one ever runs while a step is running (a race)."""
+        assert not self.stepping, "check_integrity ran during a step"
+        self.checks += 1
+
     def step(self, on_event: Callable[[Any], None] | None = None) -> list[Any]:
+        self.stepping = True
+        try:
+            return self._step(on_event)
+        finally:
+            self.stepping = False
+
+    def _step(self, on_event: Callable[[Any], None] | None) -> list[Any]:
         events: list[Any] = []
 
         def emit(event: Any) -> None:

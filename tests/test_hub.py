@@ -11,13 +11,13 @@ import threading
 from typing import Any
 
 import pytest
+from service_helpers import FakeEngine, eventually, indices, read_all, run, running_hub
 
 from labkit.engine.config import EngineConfig
 from labkit.engine.engine import BatchEngine
 from labkit.engine.events import FinishEvent, TokenEvent
 from labkit.hub import Draining, HubConfig
-from labkit.streams import StreamClosed, StreamError
-from service_helpers import FakeEngine, eventually, indices, read_all, run, running_hub
+from labkit.hub.stream import StreamClosed, StreamError, StreamState
 
 TIMEOUT = 30.0
 
@@ -51,10 +51,10 @@ def test_close_is_idempotent_and_cancels_an_unfinished_request() -> None:
             hub.close(stream)
             hub.close(stream)
             assert engine.calls.count(("cancel", stream.rid)) == 1
-            assert hub.stats()["ends"] == {"client_gone": 1}
+            assert hub.stats().ends == {"client_gone": 1}
             record = hub.record(stream.rid)
             await eventually(lambda: record.finish_reason == "cancelled", "the cancel to reach the engine")
-            assert hub.stats()["late_events"] >= 1  # at least the cancelled finish
+            assert hub.stats().late_events >= 1  # at least the cancelled finish
             with pytest.raises(StreamClosed):
                 await stream.get(TIMEOUT)
     run(body)
@@ -113,7 +113,7 @@ def test_unbounded_policy_never_waits_and_never_pauses() -> None:
         async with running_hub(engine, policy="unbounded", high_water=4) as hub:
             slow, healthy = hub.open("x", max_new_tokens=30), hub.open("y", max_new_tokens=30)
             await read_all(healthy)
-            await eventually(lambda: slow.finished, "the unread stream to finish in the engine")
+            await eventually(lambda: slow.state is StreamState.ENDING, "the unread stream to finish in the engine")
             assert len(slow) == 31 and not any(verb == "pause" for verb, _ in engine.calls)
             assert indices(await read_all(slow)) == list(range(30))
             hub.close(slow)
@@ -129,7 +129,7 @@ def test_pause_policy_pauses_at_the_high_water_mark_and_resumes_at_half() -> Non
             await eventually(lambda: ("pause", slow.rid) in engine.calls, "a pause")
             await eventually(lambda: engine.requests[slow.rid].paused, "the pause to reach the engine")
             await asyncio.sleep(0.05)  # let events already in flight land
-            assert 4 <= len(slow) <= 6 and hub.stats()["paused_streams"] == 1
+            assert 4 <= len(slow) <= 6 and hub.stats().paused_streams == 1
             while len(slow) > 2:
                 await slow.get(TIMEOUT)
             assert ("resume", slow.rid) in engine.calls
@@ -146,7 +146,7 @@ def test_drop_policies_cancel_a_stalled_stream_and_tell_its_reader_last(policy: 
         async with running_hub(engine, policy=policy, high_water=4, stall_timeout=0.05) as hub:
             slow, healthy = hub.open("x", max_new_tokens=1000), hub.open("y", max_new_tokens=40)
             assert indices(await read_all(healthy)) == list(range(40))
-            await eventually(lambda: hub.stats()["dropped_slow_client"] == 1, "the drop")
+            await eventually(lambda: hub.stats().dropped == {"slow_client": 1}, "the drop")
             items = await read_all(slow)
             assert isinstance(items[-1], StreamError) and items[-1].type == "slow_client"
             assert indices(items) == list(range(len(items) - 1))
@@ -154,7 +154,7 @@ def test_drop_policies_cancel_a_stalled_stream_and_tell_its_reader_last(policy: 
             assert "cancel" in verbs and ("pause" in verbs) == (policy == "pause_then_drop")
             hub.close(slow)
             hub.close(healthy)
-            assert hub.stats()["ends"] == {"slow_client": 1, "length": 1}
+            assert hub.stats().ends == {"slow_client": 1, "length": 1}
     run(body)
 
 
@@ -181,7 +181,7 @@ def test_drain_closes_streams_whose_readers_never_come_back() -> None:
         async with running_hub(FakeEngine()) as hub:
             hub.open("x", max_new_tokens=10_000)
             await hub.drain(grace=0.05)
-            assert hub.open_streams == 0 and hub.stats()["ends"] == {"shutdown": 1}
+            assert hub.open_streams == 0 and hub.stats().ends == {"shutdown": 1}
     run(body)
 
 
@@ -207,7 +207,7 @@ def test_a_failing_step_ends_open_streams_with_an_internal_error() -> None:
             assert isinstance(items[-1], StreamError) and items[-1].type == "internal_error"
             engine.fail = False
             hub.close(stream)
-            assert hub.stats()["errors"] >= 1
+            assert hub.stats().errors >= 1
     run(body)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from labkit.policies import POLICIES
+from labkit.hub import POLICIES
 from service_helpers import TIMEOUT, RawClient, lab_server, wait_until
 
 PAD = 64 * 1024

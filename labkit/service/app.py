@@ -60,7 +60,7 @@ def _add_operations(app: FastAPI) -> None:
         service: Service = request.app.state.service
         if service.hub.draining:
             return error_response(503, "draining", "the server is draining", {"Retry-After": "1"})
-        if not service.hub.stats()["step_thread_alive"]:
+        if not service.hub.stats().step_thread_alive:
             return error_response(503, "internal_error", "the step thread is not running")
         return JSONResponse({"status": "ok", "model": service.model_name})
 

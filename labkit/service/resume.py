@@ -25,11 +25,11 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response
 
+from labkit.hub.stream import Stream
 from labkit.schema import StreamEncoder
 from labkit.service.errors import ServiceError
 from labkit.service.frames import PING, Frame, frames, start_frame, wire_bytes
 from labkit.service.responses import sse_response
-from labkit.streams import Stream
 
 router = APIRouter()
 

@@ -6,11 +6,12 @@ thread; the engine is touched only through its thread-safe side (submit, cancel,
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Sequence
 
+from labkit.hub.stream import Stream
 from labkit.service.metrics import Metrics
 from labkit.service.resume import ResumeRegistry
-from labkit.streams import Stream
 
 if TYPE_CHECKING:  # pragma: no cover
     from labkit.server import ServiceConfig
@@ -51,10 +52,11 @@ class Service:
         await self.hub.aclose()
 
     def stats(self) -> dict[str, Any]:
+        """``GET /stats``: the engine's and the hub's books side by side (keys kept stable)."""
         engine, hub = self.engine.stats(), self.hub.stats()
         return {
             "model": self.model_name,
-            "open_streams": hub["open_streams"],
+            "open_streams": hub.open_streams,
             "waiting": engine["waiting"],
             "running": engine["running"],
             "paused": engine["paused"],
@@ -62,12 +64,12 @@ class Service:
             "held_blocks": engine["reserved_blocks"],
             "total_blocks": engine["total_blocks"],
             "releases": engine["releases"],
-            "late_events": hub["late_events"],
+            "late_events": hub.late_events,
             "finishes": engine["finished"],
-            "stream_ends": hub["ends"],
-            "errors": hub["errors"],
-            "draining": hub["draining"],
+            "stream_ends": hub.ends,
+            "errors": hub.errors,
+            "draining": hub.draining,
             "resumable_logs": len(self.resume),
             "engine": engine,
-            "hub": hub,
+            "hub": asdict(hub),
         }

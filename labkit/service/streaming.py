@@ -14,16 +14,16 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from labkit.engine.events import FinishEvent, TokenEvent
+from labkit.hub.stream import Stream, StreamClosed, StreamError
 from labkit.schema import StreamEncoder
 from labkit.service.errors import ServiceError
 from labkit.service.frames import frames, start_frame, wire_bytes
 from labkit.service.responses import sse_response
 from labkit.service.state import Service
-from labkit.streams import Stream, StreamClosed, StreamError
 
 router = APIRouter()
 T = TypeVar("T")
-_ERROR_STATUS = {"shutdown": 503, "draining": 503, "slow_client": 503, "cancelled": 503}
+_ERROR_STATUS = {"shutdown": 503, "draining": 503, "slow_client": 503, "cancelled": 503, "queue_timeout": 503}
 
 
 def _number(value: Any) -> Any:
