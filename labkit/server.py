@@ -26,7 +26,7 @@ from labkit.service.responses import RESPONSE_CLASSES
 
 _ENGINE_FIELDS = ("block_size", "num_blocks", "max_batch", "max_waiting", "kv_cache_mb", "device", "dtype",
                   "batch_invariant", "tile_rows")
-_HUB_FIELDS = ("policy", "high_water", "stall_timeout", "first_token")
+_HUB_FIELDS = ("policy", "high_water", "stall_timeout", "first_token", "max_pause", "queue_timeout")
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class ServiceConfig:
     high_water: int = 8  # events queued for one stream that count as "behind"
     stall_timeout: float = 0.25  # seconds behind (drop) or paused (pause_then_drop) before dropping
     first_token: str = "prefill"  # or "step_end"
+    max_pause: float | None = 10.0  # seconds a stream may stay paused before it is dropped (see HubConfig)
+    queue_timeout: float | None = 60.0  # seconds a request may wait for its first token (see HubConfig)
     # service
     response_class: str = "starlette"  # or "write_only": never listens for the client leaving
     keepalive_interval: float = 15.0  # seconds without an event before a ": ping" comment

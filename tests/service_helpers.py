@@ -64,7 +64,8 @@ def lab_server(model: Any, *, check_settled: bool = True, **settings: Any) -> It
         yield server
         if check_settled:
             settle(server)
-    server.engine.check_integrity()
+            server.hub.check_integrity().result(TIMEOUT)  # on the step thread, between two steps
+    server.hub.check_integrity().result(TIMEOUT)  # the step thread has stopped: it runs here
     assert engine_idle(server), server.engine.stats()
     assert server.hub.open_streams == 0
     wait_until(lambda: not (set(threading.enumerate()) - before), timeout=5, what="no thread left behind")
@@ -218,9 +219,11 @@ class FakeRequest:
 
 class FakeEngine:
     """One token per step for every running, unpaused request. ``hold`` keeps a step open right
-    after its prefills; ``fail`` makes the next step raise."""
+    after its prefills; ``fail`` makes the next step raise; at most ``slots`` requests are
+    admitted at once (None: all)."""
 
-    def __init__(self) -> None:
+    def __init__(self, slots: int | None = None) -> None:
+        self.slots = slots
         self.cond = threading.Condition()
         self.inbox: list[tuple[str, str, int]] = []
         self.requests: dict[str, FakeRequest] = {}
@@ -253,7 +256,9 @@ class FakeEngine:
             self.cond.notify_all()
 
     def has_work(self) -> bool:
-        return bool(self.inbox) or any(not r.paused for r in self.requests.values())
+        admitted = sum(r.admitted for r in self.requests.values())
+        can_admit = self.slots is None or admitted < self.slots
+        return bool(self.inbox) or any(not r.paused and (r.admitted or can_admit) for r in self.requests.values())
 
     def wait_for_work(self, timeout: float) -> bool:
         with self.cond:
@@ -282,7 +287,8 @@ class FakeEngine:
         if self.fail:
             raise RuntimeError("boom")
         self._apply_inbox(emit)
-        fresh = [(rid, r) for rid, r in self.requests.items() if not r.admitted and not r.paused]
+        room = len(self.requests) if self.slots is None else self.slots - sum(r.admitted for r in self.requests.values())
+        fresh = [(rid, r) for rid, r in self.requests.items() if not r.admitted and not r.paused][:max(0, room)]
         for rid, req in fresh:
             req.admitted = True
             self._token(rid, req, emit)
