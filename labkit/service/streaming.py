@@ -74,7 +74,8 @@ async def post_stream(body: GenerateRequest, request: Request) -> Response:
     kind = service.config.response_class
     if body.resumable:
         log = service.resume.start(stream, prompt_tokens)
-        return sse_response(service.resume.follow(log, 0), kind, request_id=stream.rid)
+        return sse_response(service.resume.follow(log, 0), kind, request_id=stream.rid,
+                            headers={"X-Resume-Token": log.token})
     return sse_response(stream_body(service, stream, prompt_tokens), kind, request_id=stream.rid,
                         on_close=lambda: service.hub.close(stream))
 
