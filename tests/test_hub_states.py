@@ -120,7 +120,7 @@ def test_a_paused_stream_is_paused_and_resumed_in_the_engine_at_each_move() -> N
             assert states[:3] == ["queued", "running", "paused"] and states[-2:] == ["ending", "closed"]
             verbs = [verb for verb, rid in engine.calls if rid == stream.rid]
             assert verbs.count("pause") == states.count("paused")
-            assert verbs.count("resume") == sum(1 for a, b in zip(states, states[1:]) if (a, b) == ("paused", "running"))
+            assert verbs.count("resume") == sum(1 for pair in itertools.pairwise(states) if pair == ("paused", "running"))
     run(body)
 
 

@@ -12,7 +12,6 @@ from labkit.hub.stream import (TRANSITIONS, IllegalTransition, Item, Stream, Str
                                StreamRecord, StreamState)
 
 __all__ = [
-    "DELIVERY_MODES", "Draining", "Engine", "Hub", "HubConfig", "HubStats", "POLICIES", "Decision", "Flow",
-    "TRANSITIONS", "IllegalTransition", "Item", "Stream", "StreamClosed", "StreamError", "StreamRecord",
-    "StreamState",
+    "DELIVERY_MODES", "POLICIES", "TRANSITIONS", "Decision", "Draining", "Engine", "Flow", "Hub", "HubConfig",
+    "HubStats", "IllegalTransition", "Item", "Stream", "StreamClosed", "StreamError", "StreamRecord", "StreamState",
 ]

@@ -91,7 +91,7 @@ class StepThread:
                 continue
             try:
                 self.engine.check_integrity()
-            except BaseException as exc:  # an AssertionError is the expected failure
+            except Exception as exc:  # an AssertionError is the expected failure
                 future.set_exception(exc)
             else:
                 future.set_result(None)
@@ -107,7 +107,7 @@ class StepThread:
 
         try:
             self.engine.step(on_event)
-        except Exception as exc:  # a broken step must not kill the thread silently
+        except Exception:  # a broken step must not kill the thread silently
             log.exception("engine step failed")
             self.errors += 1
             self._flush(pending)

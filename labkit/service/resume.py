@@ -28,7 +28,7 @@ import asyncio
 import hmac
 import secrets
 from collections import deque
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response
@@ -57,11 +57,11 @@ class EventLog:
 
     @property
     def last_id(self) -> int:
-        return self._frames[-1].id if self._frames else 0
+        return (self._frames[-1].id or 0) if self._frames else 0
 
     @property
     def first_id(self) -> int:
-        return self._frames[0].id if self._frames else 1
+        return (self._frames[0].id or 1) if self._frames else 1
 
     def append(self, frame: Frame) -> None:
         self._frames.append(frame)
