@@ -53,7 +53,7 @@ def build_app(engine: Any, hub: Any, config: ServiceConfig) -> FastAPI:
 def _add_operations(app: FastAPI) -> None:
     @app.get("/stats")
     async def stats(request: Request) -> dict[str, Any]:
-        return request.app.state.service.stats()
+        return request.app.state.service.stats().as_dict()
 
     @app.get("/healthz")
     async def healthz(request: Request) -> Response:
