@@ -46,7 +46,7 @@ __all__ = [
 EVENT_TYPES = ("start", "token", "done", "error")
 ERROR_TYPES = frozenset({
     "invalid_request", "prompt_too_long", "queue_full", "draining",
-    "slow_client", "shutdown", "internal_error", "cancelled",
+    "slow_client", "shutdown", "internal_error", "cancelled", "queue_timeout",
 })
 
 # Required keys and their types, per event type; nested objects are checked one level down.
@@ -59,8 +59,11 @@ _REQUIRED: dict[str, dict[str, Any]] = {
 }
 
 
-def start_payload(request_id: str, model: str, prompt_tokens: int) -> dict[str, Any]:
-    return {"request_id": request_id, "model": model, "prompt_tokens": prompt_tokens}
+def start_payload(request_id: str, model: str, prompt_tokens: int,
+                  resume_token: str | None = None) -> dict[str, Any]:
+    """``resume_token`` only in a resumable stream's start, which only its creator receives."""
+    payload = {"request_id": request_id, "model": model, "prompt_tokens": prompt_tokens}
+    return payload if resume_token is None else {**payload, "resume_token": resume_token}
 
 
 def token_payload(index: int, token_id: int, text: str) -> dict[str, Any]:
@@ -97,8 +100,8 @@ class StreamEncoder:
         """Id of the last event encoded (0 before the first): also the number of events."""
         return self._last_id
 
-    def start(self, request_id: str, model: str, prompt_tokens: int) -> bytes:
-        return self._event("start", start_payload(request_id, model, prompt_tokens))
+    def start(self, request_id: str, model: str, prompt_tokens: int, resume_token: str | None = None) -> bytes:
+        return self._event("start", start_payload(request_id, model, prompt_tokens, resume_token))
 
     def token(self, index: int, token_id: int, text: str) -> bytes:
         return self._event("token", token_payload(index, token_id, text))

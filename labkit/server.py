@@ -29,7 +29,7 @@ from typing import Any, Iterator, get_type_hints
 
 from labkit.engine.config import _DTYPES as DTYPES
 from labkit.hub import DELIVERY_MODES, Hub
-from labkit.policies import POLICIES
+from labkit.hub import POLICIES
 from labkit.service.config import HttpConfig, ServiceConfig, leaves
 from labkit.service.connections import guarded_protocol
 

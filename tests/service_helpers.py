@@ -24,10 +24,10 @@ import httpx_sse
 
 from labkit.engine.events import FinishEvent, TokenEvent, Usage
 from labkit.hub import Hub, HubConfig
+from labkit.hub.stream import Item, Stream
 from labkit.schema import decode_event
 from labkit.server import RunningServer, serve_in_thread
 from labkit.sse import SSEParser
-from labkit.streams import Item, Stream
 
 TIMEOUT = 30.0  # generous liveness bound; no test asserts speed
 PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):", "The quick brown fox",
@@ -64,7 +64,8 @@ def lab_server(model: Any, *, check_settled: bool = True, **settings: Any) -> It
         yield server
         if check_settled:
             settle(server)
-    server.engine.check_integrity()
+            server.hub.check_integrity().result(TIMEOUT)  # on the step thread, between two steps
+    server.hub.check_integrity().result(TIMEOUT)  # the step thread has stopped: it runs here
     assert engine_idle(server), server.engine.stats()
     assert server.hub.open_streams == 0
     wait_until(lambda: not (set(threading.enumerate()) - before), timeout=5, what="no thread left behind")
@@ -218,9 +219,11 @@ class FakeRequest:
 
 class FakeEngine:
     """One token per step for every running, unpaused request. ``hold`` keeps a step open right
-    after its prefills; ``fail`` makes the next step raise."""
+    after its prefills; ``fail`` makes the next step raise; at most ``slots`` requests are
+    admitted at once (None: all)."""
 
-    def __init__(self) -> None:
+    def __init__(self, slots: int | None = None) -> None:
+        self.slots = slots
         self.cond = threading.Condition()
         self.inbox: list[tuple[str, str, int]] = []
         self.requests: dict[str, FakeRequest] = {}
@@ -229,6 +232,8 @@ class FakeEngine:
         self.holding = threading.Event()
         self.fail = False
         self.steps = 0
+        self.stepping = False
+        self.checks = 0
 
     def submit(self, prompt: Any, *, max_new_tokens: int = 64, request_id: str | None = None, **_: Any) -> str:
         rid = request_id or f"fake-{len(self.calls)}"
@@ -251,13 +256,27 @@ class FakeEngine:
             self.cond.notify_all()
 
     def has_work(self) -> bool:
-        return bool(self.inbox) or any(not r.paused for r in self.requests.values())
+        admitted = sum(r.admitted for r in self.requests.values())
+        can_admit = self.slots is None or admitted < self.slots
+        return bool(self.inbox) or any(not r.paused and (r.admitted or can_admit) for r in self.requests.values())
 
     def wait_for_work(self, timeout: float) -> bool:
         with self.cond:
             return self.cond.wait_for(self.has_work, timeout)
 
+    def check_integrity(self) -> None:
+        """Counts the checks; raises if one ever runs while a step is running (a race)."""
+        assert not self.stepping, "check_integrity ran during a step"
+        self.checks += 1
+
     def step(self, on_event: Callable[[Any], None] | None = None) -> list[Any]:
+        self.stepping = True
+        try:
+            return self._step(on_event)
+        finally:
+            self.stepping = False
+
+    def _step(self, on_event: Callable[[Any], None] | None) -> list[Any]:
         events: list[Any] = []
 
         def emit(event: Any) -> None:
@@ -268,7 +287,8 @@ class FakeEngine:
         if self.fail:
             raise RuntimeError("boom")
         self._apply_inbox(emit)
-        fresh = [(rid, r) for rid, r in self.requests.items() if not r.admitted and not r.paused]
+        room = len(self.requests) if self.slots is None else self.slots - sum(r.admitted for r in self.requests.values())
+        fresh = [(rid, r) for rid, r in self.requests.items() if not r.admitted and not r.paused][:max(0, room)]
         for rid, req in fresh:
             req.admitted = True
             self._token(rid, req, emit)

@@ -11,13 +11,13 @@ import threading
 from typing import Any
 
 import pytest
+from service_helpers import FakeEngine, eventually, indices, read_all, run, running_hub
 
 from labkit.engine.config import EngineConfig
 from labkit.engine.engine import BatchEngine
 from labkit.engine.events import FinishEvent, TokenEvent
-from labkit.hub import Draining, HubConfig
-from labkit.streams import StreamClosed, StreamError
-from service_helpers import FakeEngine, eventually, indices, read_all, run, running_hub
+from labkit.hub import Draining, Hub, HubConfig
+from labkit.hub.stream import StreamClosed, StreamError, StreamState
 
 TIMEOUT = 30.0
 
@@ -51,10 +51,10 @@ def test_close_is_idempotent_and_cancels_an_unfinished_request() -> None:
             hub.close(stream)
             hub.close(stream)
             assert engine.calls.count(("cancel", stream.rid)) == 1
-            assert hub.stats()["ends"] == {"client_gone": 1}
+            assert hub.stats().ends == {"client_gone": 1}
             record = hub.record(stream.rid)
             await eventually(lambda: record.finish_reason == "cancelled", "the cancel to reach the engine")
-            assert hub.stats()["late_events"] >= 1  # at least the cancelled finish
+            assert hub.stats().late_events >= 1  # at least the cancelled finish
             with pytest.raises(StreamClosed):
                 await stream.get(TIMEOUT)
     run(body)
@@ -113,7 +113,7 @@ def test_unbounded_policy_never_waits_and_never_pauses() -> None:
         async with running_hub(engine, policy="unbounded", high_water=4) as hub:
             slow, healthy = hub.open("x", max_new_tokens=30), hub.open("y", max_new_tokens=30)
             await read_all(healthy)
-            await eventually(lambda: slow.finished, "the unread stream to finish in the engine")
+            await eventually(lambda: slow.state is StreamState.ENDING, "the unread stream to finish in the engine")
             assert len(slow) == 31 and not any(verb == "pause" for verb, _ in engine.calls)
             assert indices(await read_all(slow)) == list(range(30))
             hub.close(slow)
@@ -126,13 +126,15 @@ def test_pause_policy_pauses_at_the_high_water_mark_and_resumes_at_half() -> Non
         engine = FakeEngine()
         async with running_hub(engine, policy="pause", high_water=4) as hub:
             slow = hub.open("x", max_new_tokens=40)
-            await eventually(lambda: ("pause", slow.rid) in engine.calls, "a pause")
-            await eventually(lambda: engine.requests[slow.rid].paused, "the pause to reach the engine")
-            await asyncio.sleep(0.05)  # let events already in flight land
-            assert 4 <= len(slow) <= 6 and hub.stats()["paused_streams"] == 1
+            await eventually(lambda: slow.rid in engine.requests and engine.requests[slow.rid].paused,
+                             "the pause to reach the engine")
+            made = engine.requests[slow.rid].made  # no more tokens once the engine has paused it
+            await eventually(lambda: slow.record.tokens_generated == made, "the tokens in flight to land")
+            assert len(slow) == made >= 4 and slow.state is StreamState.PAUSED
+            assert hub.stats().paused_streams == 1
             while len(slow) > 2:
                 await slow.get(TIMEOUT)
-            assert ("resume", slow.rid) in engine.calls
+            assert ("resume", slow.rid) in engine.calls and slow.state is StreamState.RUNNING
             assert hub.record(slow.rid).pauses >= 1
             await read_all(slow)
             hub.close(slow)
@@ -146,7 +148,7 @@ def test_drop_policies_cancel_a_stalled_stream_and_tell_its_reader_last(policy: 
         async with running_hub(engine, policy=policy, high_water=4, stall_timeout=0.05) as hub:
             slow, healthy = hub.open("x", max_new_tokens=1000), hub.open("y", max_new_tokens=40)
             assert indices(await read_all(healthy)) == list(range(40))
-            await eventually(lambda: hub.stats()["dropped_slow_client"] == 1, "the drop")
+            await eventually(lambda: hub.stats().dropped == {"slow_client": 1}, "the drop")
             items = await read_all(slow)
             assert isinstance(items[-1], StreamError) and items[-1].type == "slow_client"
             assert indices(items) == list(range(len(items) - 1))
@@ -154,7 +156,94 @@ def test_drop_policies_cancel_a_stalled_stream_and_tell_its_reader_last(policy: 
             assert "cancel" in verbs and ("pause" in verbs) == (policy == "pause_then_drop")
             hub.close(slow)
             hub.close(healthy)
-            assert hub.stats()["ends"] == {"slow_client": 1, "length": 1}
+            assert hub.stats().ends == {"slow_client": 1, "length": 1}
+    run(body)
+
+
+# -- bounds: how long a stream may stay paused, how long a request may wait ------------------------
+@pytest.mark.parametrize("policy", ["pause", "pause_then_drop"])
+def test_a_stream_paused_longer_than_max_pause_is_dropped_and_its_request_cancelled(policy: str) -> None:
+    async def body() -> None:
+        engine = FakeEngine()
+        async with running_hub(engine, policy=policy, high_water=4, stall_timeout=TIMEOUT, max_pause=0.05) as hub:
+            slow = hub.open("x", max_new_tokens=10_000)  # never read until the drop
+            await eventually(lambda: slow.state is StreamState.ENDING, "the drop after max_pause")
+            assert ("cancel", slow.rid) in engine.calls and hub.stats().dropped == {"slow_client": 1}
+            items = await read_all(slow)
+            assert isinstance(items[-1], StreamError) and items[-1].type == "slow_client"
+            assert "paused" in items[-1].message
+            hub.close(slow)
+            assert slow.record.states[-4:] == ["running", "paused", "ending", "closed"]
+    run(body)
+
+
+def test_a_resume_before_max_pause_disarms_it() -> None:
+    async def body() -> None:
+        engine = FakeEngine()
+        async with running_hub(engine, policy="pause", high_water=4, max_pause=0.2) as hub:
+            stream = hub.open("x", max_new_tokens=200)
+            items = await read_all(stream)  # a reader that keeps up: pauses are short, never fatal
+            assert isinstance(items[-1], FinishEvent) and hub.stats().dropped == {}
+            hub.close(stream)
+    run(body)
+
+
+def test_a_request_that_waits_longer_than_queue_timeout_ends_with_an_error() -> None:
+    async def body() -> None:
+        engine = FakeEngine(slots=1)
+        async with running_hub(engine, policy="unbounded", queue_timeout=0.1) as hub:
+            holder = hub.open("x", max_new_tokens=10_000)
+            await holder.get(TIMEOUT)  # admitted: it holds the only slot
+            waiting = hub.open("y", max_new_tokens=5)
+            items = await read_all(waiting)
+            assert len(items) == 1 and isinstance(items[0], StreamError) and items[0].type == "queue_timeout"
+            assert ("cancel", waiting.rid) in engine.calls
+            await eventually(lambda: waiting.rid not in engine.requests, "the engine to forget the request")
+            assert waiting.record.states == ["queued", "ending"]
+            assert holder.state is StreamState.RUNNING  # the running one is not touched
+            hub.close(waiting)
+            hub.close(holder)
+    run(body)
+
+
+def test_a_request_admitted_in_time_is_not_touched_by_the_queue_timeout() -> None:
+    async def body() -> None:
+        async with running_hub(FakeEngine(), queue_timeout=0.05) as hub:
+            stream = hub.open("x", max_new_tokens=30)
+            await stream.get(TIMEOUT)
+            await asyncio.sleep(0.1)  # past the timeout: it must have been disarmed by the first token
+            items = await read_all(stream)
+            assert isinstance(items[-1], FinishEvent) and hub.stats().dropped == {}
+            hub.close(stream)
+    run(body)
+
+
+# -- integrity checks run on the step thread ------------------------------------------------------
+def test_check_integrity_waits_for_the_step_boundary_and_hands_back_the_result() -> None:
+    async def body() -> None:
+        engine = FakeEngine()
+        engine.hold = threading.Event()
+        async with running_hub(engine) as hub:
+            stream = hub.open("x", max_new_tokens=3)
+            await eventually(engine.holding.is_set, "a step to hold")
+            check = hub.check_integrity()
+            await asyncio.sleep(0.05)  # room for a wrong implementation to run the check now
+            assert not check.done(), "the check ran while a step was in progress"
+            engine.hold.set()
+            await asyncio.wait_for(asyncio.wrap_future(check), TIMEOUT)  # FakeEngine raises if mid-step
+            assert engine.checks == 1
+            await read_all(stream)
+            hub.close(stream)
+    run(body)
+
+
+def test_a_failed_check_raises_from_its_future() -> None:
+    async def body() -> None:
+        engine = FakeEngine()
+        async with running_hub(engine) as hub:
+            engine.check_integrity = lambda: (_ for _ in ()).throw(AssertionError("books differ"))  # type: ignore[method-assign]
+            with pytest.raises(AssertionError, match="books differ"):
+                await asyncio.wait_for(asyncio.wrap_future(hub.check_integrity()), TIMEOUT)
     run(body)
 
 
@@ -181,7 +270,7 @@ def test_drain_closes_streams_whose_readers_never_come_back() -> None:
         async with running_hub(FakeEngine()) as hub:
             hub.open("x", max_new_tokens=10_000)
             await hub.drain(grace=0.05)
-            assert hub.open_streams == 0 and hub.stats()["ends"] == {"shutdown": 1}
+            assert hub.open_streams == 0 and hub.stats().ends == {"shutdown": 1}
     run(body)
 
 
@@ -207,12 +296,13 @@ def test_a_failing_step_ends_open_streams_with_an_internal_error() -> None:
             assert isinstance(items[-1], StreamError) and items[-1].type == "internal_error"
             engine.fail = False
             hub.close(stream)
-            assert hub.stats()["errors"] >= 1
+            assert hub.stats().errors >= 1
     run(body)
 
 
 @pytest.mark.parametrize("bad", [{"policy": "lifo"}, {"high_water": 0}, {"stall_timeout": 0},
-                                 {"first_token": "eventually"}, {"high_water": True}])
+                                 {"first_token": "eventually"}, {"high_water": True}, {"max_pause": 0},
+                                 {"queue_timeout": -1}, {"max_pause": "10"}, {"queue_timeout": True}])
 def test_hub_config_refuses_bad_values_by_name(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         HubConfig(**bad)
@@ -231,6 +321,7 @@ def test_with_the_real_engine_every_block_comes_back(tiny_gpt2: Any) -> None:
                 hub.close(stream)
             await eventually(lambda: engine.stats()["reserved_blocks"] == 0 and not engine.has_work(), "release")
     run(body)
-    engine.check_integrity()
+    hub_free_check = Hub(engine).check_integrity()  # no step thread: the check runs here, now
+    assert hub_free_check.result(0) is None
     stats = engine.stats()
     assert stats["running"] == stats["waiting"] == 0 and stats["finished"]["length"] >= 1

@@ -82,3 +82,20 @@ def test_flood_events_have_exactly_the_requested_size(tiny_gpt2: Any) -> None:
         reader = RawClient(server.url, decode=False).post("/lab/flood", {"event_bytes": 100, "count": 5})
         reader.read_to_end()
     assert len(reader.raw) == 500 and reader.raw.count(b"event: flood\n") == 5
+
+
+def test_stats_and_metrics_name_the_same_books_the_same_way(tiny_gpt2: Any) -> None:
+    with lab_server(tiny_gpt2) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        for prompt in ("Hello", "The cat"):
+            sse_post(client, "/v1/stream", {"prompt": prompt, "max_new_tokens": 4})
+        wait_until(lambda: server.hub.open_streams == 0, what="the streams to close")
+        stats, metrics = client.get("/stats").json(), scrape(client)
+    pairs = {"open_streams": "labkit_open_streams", "waiting": "labkit_queue_depth",
+             "running": "labkit_running_requests", "paused": "labkit_paused_requests",
+             "held_blocks": "labkit_kv_blocks_in_use", "total_blocks": "labkit_kv_blocks_total",
+             "late_events": "labkit_late_events_total"}
+    for key, name in pairs.items():
+        assert stats[key] == metrics[(name, ())], key
+    assert stats["finishes"] == {"length": metrics[("labkit_finishes_total", (("reason", "length"),))]}
+    assert stats["stream_ends"] == {"length": metrics[("labkit_stream_ends_total", (("end", "length"),))]}
+    assert stats["hub"]["states"] == {} and stats["hub"]["dropped"] == {}

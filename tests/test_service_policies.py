@@ -1,27 +1,45 @@
 """Each slow-reader policy with a reader that stalls, over real sockets.
 
 Token events are padded with 64 KiB comments (``pad_bytes``, as in the slow-client experiment),
-so the ~4 MB that Linux lets a server's send buffer grow to (plus the stalled client's small
-receive buffer: it grows only while its owner reads) fills after about 70 tokens of a 128-token
-stream: from then on the stall reaches the hub. The naive policy stalls the
+and both socket buffers on the slow path are pinned, as the experiments pin them: the server's
+SO_SNDBUF (``sndbuf``; left alone, Linux grows it to ~4 MB) and the stalled client's SO_RCVBUF.
+So the stall reaches the hub after a few tokens on any host. The naive policy stalls the
 healthy stream too; the other four do not, and differ in what happens to the slow one.
+
+The last tests hold the server's two bounds: clients that never read cannot keep the slots of a
+``pause`` server past ``max_pause``, and a request that cannot be admitted ends with an error
+after ``queue_timeout`` instead of waiting without an answer.
 """
 from __future__ import annotations
 
 import socket
+import time
 from typing import Any
 
+import httpx
 import pytest
 
-from labkit.policies import POLICIES
-from service_helpers import TIMEOUT, RawClient, lab_server, wait_until
+from labkit.hub import POLICIES
+from service_helpers import TIMEOUT, RawClient, lab_server, occupy_a_slot, wait_until
 
 PAD = 64 * 1024
 MAX_NEW = 128
+SNDBUF = 256 * 1024  # the server's send buffer, pinned as the slow-client experiment pins it
+RCVBUF = 4 * 1024  # a stalled client's receive buffer, pinned
+BOUND = 20.0  # seconds any answer below may take; the starved server of issue 12 gave none in 30
 
 
-def open_stream(server: Any, prompt: str) -> RawClient:
-    return RawClient(server.url).post("/v1/stream", {"prompt": prompt, "max_new_tokens": MAX_NEW})
+def open_stream(server: Any, prompt: str, rcvbuf: int | None = None) -> RawClient:
+    return RawClient(server.url, rcvbuf=rcvbuf).post("/v1/stream", {"prompt": prompt, "max_new_tokens": MAX_NEW})
+
+
+def read_to_end_within(client: RawClient, seconds: float) -> list[Any]:
+    """The whole response within ``seconds`` (pings do not extend the bound), or fail."""
+    deadline = time.monotonic() + seconds
+    client.sock.settimeout(seconds)
+    client.read_until(lambda: time.monotonic() > deadline)
+    assert client.ended, f"no complete answer within {seconds} s: {[kind for kind, _, _ in client.events]}"
+    return client.events
 
 
 def token_indices(events: list[Any]) -> list[int]:
@@ -30,8 +48,9 @@ def token_indices(events: list[Any]) -> list[int]:
 
 @pytest.mark.parametrize("policy", [p for p in POLICIES if p != "naive"])
 def test_a_stalled_reader_does_not_hold_up_the_others(tiny_gpt2: Any, policy: str) -> None:
-    with lab_server(tiny_gpt2, policy=policy, pad_bytes=PAD, stall_timeout=0.25) as server:
-        slow = open_stream(server, "Hello world")
+    with lab_server(tiny_gpt2, policy=policy, pad_bytes=PAD, stall_timeout=0.25, sndbuf=SNDBUF,
+                    max_pause=TIMEOUT) as server:
+        slow = open_stream(server, "Hello world", rcvbuf=RCVBUF)
         record = server.hub.record(slow.read_events(1)[0][1]["request_id"])  # then it reads nothing
         healthy = open_stream(server, "The quick brown fox")
         assert token_indices(healthy.read_to_end()) == list(range(MAX_NEW))
@@ -54,8 +73,8 @@ def test_a_stalled_reader_does_not_hold_up_the_others(tiny_gpt2: Any, policy: st
 
 
 def test_the_naive_policy_stalls_every_stream_behind_one_slow_reader(tiny_gpt2: Any) -> None:
-    with lab_server(tiny_gpt2, policy="naive", pad_bytes=PAD) as server:
-        slow = open_stream(server, "Hello world")
+    with lab_server(tiny_gpt2, policy="naive", pad_bytes=PAD, sndbuf=SNDBUF) as server:
+        slow = open_stream(server, "Hello world", rcvbuf=RCVBUF)
         slow.read_events(1)
         healthy = open_stream(server, "The quick brown fox")
         healthy.sock.settimeout(1.0)
@@ -65,3 +84,31 @@ def test_the_naive_policy_stalls_every_stream_behind_one_slow_reader(tiny_gpt2: 
         slow.close_rst()  # the slow reader leaves, and the step loop is free again
         healthy.sock.settimeout(TIMEOUT)
         assert token_indices(healthy.read_to_end()) == list(range(MAX_NEW))
+
+
+# -- the server's bounds -------------------------------------------------------------------------
+def test_clients_that_never_read_hold_the_slots_of_a_pause_server_for_max_pause_at_most(tiny_gpt2: Any) -> None:
+    with lab_server(tiny_gpt2, policy="pause", pad_bytes=PAD, sndbuf=SNDBUF, max_batch=2, high_water=4,
+                    max_pause=0.5) as server:
+        hogs = [open_stream(server, f"Hog number {i}", rcvbuf=RCVBUF) for i in range(4)]  # never read
+        wait_until(lambda: server.engine.stats()["paused"] == 2, what="the first two hogs to pause")
+        newcomer = RawClient(server.url).post("/v1/stream", {"prompt": "Hello", "max_new_tokens": 8})
+        events = read_to_end_within(newcomer, BOUND)  # admitted once the paused hogs are dropped
+        assert events[-1][0] == "done" and len(token_indices(events)) == 8
+        assert server.hub.stats().dropped.get("slow_client", 0) >= 2
+        for hog in hogs:
+            hog.close_rst()
+
+
+def test_a_request_that_cannot_be_admitted_ends_with_an_error_after_queue_timeout(tiny_gpt2: Any) -> None:
+    with lab_server(tiny_gpt2, max_batch=1, queue_timeout=0.5) as server:
+        holder = occupy_a_slot(server)  # paused in the engine: the only slot stays taken
+        waiting = RawClient(server.url).post("/v1/stream", {"prompt": "Hello", "max_new_tokens": 8})
+        events = read_to_end_within(waiting, BOUND)
+        assert [kind for kind, _, _ in events] == ["start", "error"]
+        assert events[-1][1]["error"]["type"] == "queue_timeout"
+        with httpx.Client(base_url=server.url, timeout=BOUND) as http:
+            response = http.post("/v1/generate", json={"prompt": "Hello", "max_new_tokens": 8})
+        assert response.status_code == 503 and response.json()["error"]["type"] == "queue_timeout"
+        assert server.engine.stats()["waiting"] == 0  # both left the queue
+        holder.close_rst()

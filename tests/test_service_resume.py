@@ -1,20 +1,27 @@
-"""Resumable streams: a client that disconnects and comes back gets exactly the events it missed."""
+"""Resumable streams: a client that disconnects and comes back gets exactly the events it missed,
+and only the client that created a stream (it holds the resume token) can read it again."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
 import httpx_sse
 import pytest
 
-from service_helpers import TIMEOUT, RawClient, decode_event_sse, lab_server, tokens_of, wait_until
+from service_helpers import TIMEOUT, RawClient, decode_event_sse, lab_server, sse_post, tokens_of, wait_until
 
 BODY = {"prompt": "Once upon a time,", "max_new_tokens": 24, "resumable": True}
 
 
-def resume(client: httpx.Client, rid: str, *, last_id: int | None = None, after: int | None = None) -> list[Any]:
+def resume(client: httpx.Client, rid: str, token: str, *, last_id: int | None = None, after: int | None = None,
+           token_in: str = "header") -> list[Any]:
     headers = {} if last_id is None else {"Last-Event-ID": str(last_id)}
-    params = {} if after is None else {"after": after}
+    params: dict[str, Any] = {} if after is None else {"after": after}
+    if token_in == "header":
+        headers["X-Resume-Token"] = token
+    else:
+        params["token"] = token
     with httpx_sse.connect_sse(client, "GET", f"/v1/streams/{rid}/events", headers=headers, params=params) as source:
         assert source.response.headers["x-request-id"] == rid
         return [decode_event_sse(sse) for sse in source.iter_sse()]
@@ -25,14 +32,15 @@ def solo_tokens(client: httpx.Client) -> list[int]:
     return client.post("/v1/generate", json=body).json()["token_ids"]
 
 
-@pytest.mark.parametrize("cursor", ["last_id", "after"])
-def test_resume_after_a_disconnect_gets_exactly_the_missed_events(tiny_gpt2: Any, cursor: str) -> None:
+@pytest.mark.parametrize("cursor, token_in", [("last_id", "header"), ("after", "query")])
+def test_resume_after_a_disconnect_gets_exactly_the_missed_events(tiny_gpt2: Any, cursor: str, token_in: str) -> None:
     with lab_server(tiny_gpt2) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
         first = RawClient(server.url).post("/v1/stream", BODY)
         seen = first.read_events(6)[:6]  # start + 5 tokens
         first.close_rst()
-        rid = seen[0][1]["request_id"]
-        rest = resume(client, rid, **{cursor: 6})
+        rid, token = seen[0][1]["request_id"], seen[0][1]["resume_token"]
+        assert first.headers["x-resume-token"] == token
+        rest = resume(client, rid, token, token_in=token_in, **{cursor: 6})
         events = seen + rest
         assert [int(event_id) for _, _, event_id in events] == list(range(1, len(events) + 1))
         assert events[-1][0] == "done" and tokens_of(events) == solo_tokens(client)
@@ -44,11 +52,12 @@ def test_a_finished_stream_answers_204_and_replays_any_tail(tiny_gpt2: Any) -> N
     with lab_server(tiny_gpt2) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
         with httpx_sse.connect_sse(client, "POST", "/v1/stream", json=BODY) as source:
             events = [decode_event_sse(sse) for sse in source.iter_sse()]
-        rid, last = events[0][1]["request_id"], len(events)
+        rid, token, last = events[0][1]["request_id"], events[0][1]["resume_token"], len(events)
         wait_until(lambda: server.service.resume.get(rid).finished, what="the log to finish")
-        assert client.get(f"/v1/streams/{rid}/events", headers={"Last-Event-ID": str(last)}).status_code == 204
-        assert resume(client, rid, after=last - 2) == events[-2:]
-        assert resume(client, rid, after=0) == events
+        headers = {"Last-Event-ID": str(last), "X-Resume-Token": token}
+        assert client.get(f"/v1/streams/{rid}/events", headers=headers).status_code == 204
+        assert resume(client, rid, token, after=last - 2) == events[-2:]
+        assert resume(client, rid, token, after=0) == events
 
 
 @pytest.mark.parametrize("path, status", [("/v1/streams/req-nope/events", 404),
@@ -59,24 +68,79 @@ def test_a_finished_stream_answers_204_and_replays_any_tail(tiny_gpt2: Any) -> N
 def test_unknown_streams_and_bad_cursors_are_refused_before_the_stream(tiny_gpt2: Any, path: str, status: int) -> None:
     with lab_server(tiny_gpt2) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
         with httpx_sse.connect_sse(client, "POST", "/v1/stream", json=BODY) as source:
-            rid = decode_event_sse(next(iter(source.iter_sse())))[1]["request_id"]
-        response = client.get(path.format(rid=rid))
+            start = decode_event_sse(next(iter(source.iter_sse())))[1]
+        response = client.get(path.format(rid=start["request_id"]), headers={"X-Resume-Token": start["resume_token"]})
         assert response.status_code == status and "error" in response.json()
 
 
 def test_a_run_nobody_comes_back_for_is_cancelled_after_the_grace_period(tiny_gpt2: Any) -> None:
     with lab_server(tiny_gpt2, max_batch=1, resume_grace=0.2) as server:
         client = RawClient(server.url).post("/v1/stream", {**BODY, "max_new_tokens": 400})
-        rid = client.read_events(3)[0][1]["request_id"]
+        start = client.read_events(3)[0][1]
+        rid = start["request_id"]
         client.close_fin()
         record = server.hub.record(rid)
         wait_until(lambda: record.released is not None, what="the cancel after the grace period")
         assert record.finish_reason == "cancelled" and record.tokens_generated < 400
         with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
-            assert http.get(f"/v1/streams/{rid}/events").status_code == 404
+            response = http.get(f"/v1/streams/{rid}/events", headers={"X-Resume-Token": start["resume_token"]})
+            assert response.status_code == 404
 
 
 def test_a_stream_longer_than_the_log_cannot_be_resumable(tiny_gpt2: Any) -> None:
     with lab_server(tiny_gpt2, resume_log_events=16) as server, httpx.Client(base_url=server.url) as client:
         response = client.post("/v1/stream", json={**BODY, "max_new_tokens": 15})
         assert response.status_code == 422 and response.json()["error"]["type"] == "invalid_request"
+
+
+# -- only the creator can resume -------------------------------------------------------------------
+def refusal(client: httpx.Client, rid: str, headers: dict[str, str], params: dict[str, str]) -> dict[str, Any]:
+    response = client.get(f"/v1/streams/{rid}/events", headers=headers, params=params)
+    assert response.status_code == 404, response.status_code
+    return response.json()
+
+
+def test_the_resume_token_goes_to_the_creator_only_and_is_new_for_every_stream(tiny_gpt2: Any) -> None:
+    with lab_server(tiny_gpt2) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        starts = []
+        for _ in range(2):
+            with httpx_sse.connect_sse(client, "POST", "/v1/stream", json=BODY) as source:
+                events = [decode_event_sse(sse) for sse in source.iter_sse()]
+                assert source.response.headers["x-resume-token"] == events[0][1]["resume_token"]
+            starts.append(events[0][1])
+        assert starts[0]["resume_token"] != starts[1]["resume_token"] and len(starts[0]["resume_token"]) >= 32
+        plain = sse_post(client, "/v1/stream", {k: v for k, v in BODY.items() if k != "resumable"})[1]
+        assert "resume_token" not in plain[0][1]  # a stream that cannot be resumed has no token
+
+
+def test_without_the_right_token_a_stream_looks_exactly_like_an_unknown_one(tiny_gpt2: Any) -> None:
+    with lab_server(tiny_gpt2) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        first = RawClient(server.url).post("/v1/stream", {**BODY, "max_new_tokens": 400})
+        start = first.read_events(1)[0][1]
+        rid, token = start["request_id"], start["resume_token"]
+        other = RawClient(server.url).post("/v1/stream", BODY)
+        other_token = other.read_events(1)[0][1]["resume_token"]
+        unknown = refusal(client, "req-0123456789abcdef", {}, {})
+        expected = {"error": {**unknown["error"],
+                              "message": unknown["error"]["message"].replace("req-0123456789abcdef", rid)}}
+        for headers, params in [({}, {}), ({"X-Resume-Token": token[:-1] + "x"}, {}), ({}, {"token": other_token}),
+                                ({"X-Resume-Token": ""}, {}), ({}, {"token": "\u00e9" * 40}),
+                                ({"Last-Event-ID": "999999"}, {})]:
+            assert refusal(client, rid, headers, params) == expected, (headers, params)
+        first.close_rst()
+        other.close_rst()
+
+
+def test_a_refused_attempt_does_not_keep_an_abandoned_stream_alive(tiny_gpt2: Any) -> None:
+    with lab_server(tiny_gpt2, max_batch=1, resume_grace=0.3) as server:
+        creator = RawClient(server.url).post("/v1/stream", {**BODY, "max_new_tokens": 400})
+        rid = creator.read_events(3)[0][1]["request_id"]
+        creator.close_fin()  # the grace timer starts
+        record = server.hub.record(rid)
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as intruder:
+            deadline = time.monotonic() + TIMEOUT
+            while record.released is None and time.monotonic() < deadline:  # knocks until the end
+                with intruder.stream("GET", f"/v1/streams/{rid}/events") as response:
+                    assert response.status_code == 404
+                time.sleep(0.02)
+        assert record.finish_reason == "cancelled" and record.tokens_generated < 400

@@ -37,7 +37,7 @@ def test_drain_ends_open_streams_with_a_shutdown_error_then_refuses_with_503(tin
                 assert response.status_code == 503 and response.json()["error"]["type"] == "draining"
                 assert response.headers["retry-after"] == "1"
             assert http.get("/healthz").status_code == 503
-        assert server.hub.stats()["ends"] == {"shutdown": 4}
+        assert server.hub.stats().ends == {"shutdown": 4}
 
 
 def test_leaving_the_server_ends_streams_whose_clients_never_read(tiny_gpt2: Any) -> None:

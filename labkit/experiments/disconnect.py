@@ -158,8 +158,8 @@ def trial_row(kind: str, moment: str, rep: int, how: str, r: StreamResult, rec: 
 def books(srv: Any) -> dict[str, Any]:
     """The server's counters now, to subtract from later ones (a notebook's server may be reused)."""
     hub = srv.hub.stats()
-    return {"stats": srv.engine.stats(), "records": len(srv.hub.records()), "late_events": hub["late_events"],
-            "errors": hub["errors"]}
+    return {"stats": srv.engine.stats(), "records": len(srv.hub.records()), "late_events": hub.late_events,
+            "errors": hub.errors}
 
 
 def release_books(srv: Any, before: dict[str, Any]) -> dict[str, Any]:
@@ -173,8 +173,8 @@ def release_books(srv: Any, before: dict[str, Any]) -> dict[str, Any]:
     return {"submitted": len(records), "finished": finished,
             "admitted": sum(1 for r in records if r.first_token_sampled is not None),
             "releases": after["releases"] - before["stats"]["releases"],
-            "late_events": srv.hub.stats()["late_events"] - before["late_events"],
-            "hub_errors": srv.hub.stats()["errors"] - before["errors"]}
+            "late_events": srv.hub.stats().late_events - before["late_events"],
+            "hub_errors": srv.hub.stats().errors - before["errors"]}
 
 
 def by_moment(trials: pd.DataFrame) -> pd.DataFrame:

@@ -290,7 +290,8 @@ def span(values: Any, fmt: str = "{:.2f}") -> str:
 def server_checks(server: Any, timeout: float = 30.0) -> dict[str, Any]:
     """Once the server is idle: is the cache whole, is any stream still registered or held?
 
-    Waits (bounded) for the engine and hub to empty, then runs ``engine.check_integrity()``.
+    Waits (bounded) for the engine and hub to empty, then has the step thread check the block
+    books between two steps (``hub.check_integrity()``), so the check never races a step.
     """
     deadline = time.perf_counter() + timeout
     while time.perf_counter() < deadline:
@@ -300,7 +301,7 @@ def server_checks(server: Any, timeout: float = 30.0) -> dict[str, Any]:
         time.sleep(0.02)
     stats = server.engine.stats()
     try:
-        server.engine.check_integrity()
+        server.hub.check_integrity().result(timeout)
         what = ""
     except AssertionError as exc:
         what = str(exc) or "check_integrity failed"

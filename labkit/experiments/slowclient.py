@@ -31,7 +31,7 @@ from labkit.experiments.harness import (
     beside, bodies, launch_readers, loaded_model, long_prompts, server_checks, server_like, span, wait_released)
 from labkit.experiments.records import StreamResult
 from labkit.experiments.saturation import Saturation, measure_saturation, plot_timeline
-from labkit.policies import POLICIES
+from labkit.hub import POLICIES
 from labkit.prompts import PROMPTS
 
 NAME = "slowclient"

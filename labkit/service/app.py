@@ -58,14 +58,14 @@ def build_app(engine: Any, hub: Any, config: ServiceConfig) -> FastAPI:
 def _add_operations(app: FastAPI) -> None:
     @app.get("/stats")
     async def stats(request: Request) -> dict[str, Any]:
-        return request.app.state.service.stats()
+        return request.app.state.service.stats().as_dict()
 
     @app.get("/healthz")
     async def healthz(request: Request) -> Response:
         service: Service = request.app.state.service
         if service.hub.draining:
             return error_response(503, "draining", "the server is draining")
-        if not service.hub.stats()["step_thread_alive"]:
+        if not service.hub.stats().step_thread_alive:
             return error_response(503, "internal_error", "the step thread is not running")
         return JSONResponse({"status": "ok", "model": service.model_name})
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from labkit.engine.events import FinishEvent, TokenEvent
+from labkit.hub.stream import Item, Stream, StreamClosed
 from labkit.schema import StreamEncoder
 from labkit.sse import sse_comment
-from labkit.streams import Item, Stream, StreamClosed
 
 TERMINAL = frozenset({"done", "error"})
 _PING = sse_comment("ping")

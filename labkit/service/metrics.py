@@ -8,11 +8,14 @@ no second set of books to drift from the first.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:  # pragma: no cover
+    from labkit.service.stats import ServiceStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -21,7 +24,7 @@ GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 class Metrics:
     """Observer for the hub (first token, gaps between tokens) and the ``/metrics`` renderer."""
 
-    def __init__(self, hub: Any, engine: Any) -> None:
+    def __init__(self, read: Callable[[], ServiceStats]) -> None:
         self.registry = CollectorRegistry()
         self.ttft = Histogram("labkit_time_to_first_token_seconds",
                               "From submit to the first token taken by the stream's writer.",
@@ -32,7 +35,7 @@ class Metrics:
         self.connections_closed = Counter("labkit_connections_closed",
                                           "Connections the server closed itself, by reason (a timeout, the cap).",
                                           ["reason"], registry=self.registry)
-        self.registry.register(StateCollector(hub, engine))
+        self.registry.register(StateCollector(read))
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -48,24 +51,26 @@ class Metrics:
 
 
 class StateCollector(Collector):
-    """Reads hub and engine state at scrape time."""
+    """Reads the server's stats snapshot at scrape time."""
 
-    def __init__(self, hub: Any, engine: Any) -> None:
-        self.hub, self.engine = hub, engine
+    def __init__(self, read: Callable[[], ServiceStats]) -> None:
+        self.read = read
 
     def collect(self) -> Iterator[Metric]:
-        hub, engine = self.hub.stats(), self.engine.stats()
-        yield _gauge("labkit_open_streams", "Streams registered in the hub.", hub["open_streams"])
-        yield _gauge("labkit_queue_depth", "Requests waiting for a batch slot.", engine["waiting"])
-        yield _gauge("labkit_running_requests", "Requests in the decode batch.", engine["running"])
-        yield _gauge("labkit_paused_requests", "Requests paused for a slow reader.", engine["paused"])
-        yield _gauge("labkit_stream_queued_events", "Events queued in the hub, all streams.", hub["queued_events"])
-        yield _gauge("labkit_kv_blocks_in_use", "KV-cache blocks reserved by live requests.", engine["reserved_blocks"])
-        yield _gauge("labkit_kv_blocks_total", "KV-cache blocks in the pool.", engine["total_blocks"])
-        yield _counter("labkit_finishes", "Requests that left the engine, by reason.", "reason", engine["finished"])
-        yield _counter("labkit_stream_ends", "Streams closed, by how they ended.", "end", hub["ends"])
+        stats = self.read()
+        yield _gauge("labkit_open_streams", "Streams registered in the hub.", stats.open_streams)
+        yield _gauge("labkit_queue_depth", "Requests waiting for a batch slot.", stats.waiting)
+        yield _gauge("labkit_running_requests", "Requests in the decode batch.", stats.running)
+        yield _gauge("labkit_paused_requests", "Requests paused for a slow reader.", stats.paused)
+        yield _gauge("labkit_stream_queued_events", "Events queued in the hub, all streams.", stats.hub.queued_events)
+        yield _gauge("labkit_kv_blocks_in_use", "KV-cache blocks reserved by live requests.", stats.held_blocks)
+        yield _gauge("labkit_kv_blocks_total", "KV-cache blocks in the pool.", stats.total_blocks)
+        yield _counter("labkit_finishes", "Requests that left the engine, by reason.", "reason", stats.finishes)
+        yield _counter("labkit_stream_ends", "Streams closed, by how they ended.", "end", stats.stream_ends)
+        yield _counter("labkit_stream_drops", "Streams the hub ended with an error, by type.", "type",
+                       stats.hub.dropped)
         late = CounterMetricFamily("labkit_late_events", "Engine events dropped for closed streams.")
-        late.add_metric([], hub["late_events"])
+        late.add_metric([], stats.late_events)
         yield late
 
 

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from labkit.engine.events import FinishEvent, TokenEvent
+from labkit.hub.stream import Stream
 from labkit.schema import error_envelope
 from labkit.service.errors import ServiceError
 from labkit.service.frames import PING, items, padding
@@ -30,7 +31,6 @@ from labkit.service.responses import sse_response
 from labkit.service.state import Service
 from labkit.service.streaming import Number, collect_whole, service_of
 from labkit.sse import ServerSentEvent
-from labkit.streams import Stream
 
 router = APIRouter()
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}

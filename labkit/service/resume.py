@@ -7,8 +7,14 @@ timer starts (``resume_grace``, default 10 s), and a follower that comes back in
 If nobody comes back, the pump is cancelled, which closes the hub stream (and so cancels the
 engine request), and the log is forgotten: the id is then unknown (404).
 
-``GET /v1/streams/{request_id}/events`` takes ``Last-Event-ID`` or ``?after=N`` and decides
-before the response starts: 404 unknown, 204 finished with nothing after N, 410 when events
+Resuming needs a secret: each resumable stream gets a random resume token, sent only to its
+creator (in the ``start`` event's ``resume_token`` and the ``X-Resume-Token`` response header).
+``GET /v1/streams/{request_id}/events`` must carry it (``X-Resume-Token`` header or ``?token=``);
+a missing or wrong token gets the very 404 an unknown id gets, so ids cannot be probed, and
+does nothing else: it neither attaches nor stops the grace timer.
+
+The route takes ``Last-Event-ID`` or ``?after=N`` and decides before the response starts:
+404 unknown (or no valid token), 204 finished with nothing after N, 410 when events
 after N were already evicted from the bounded log, 422 for a cursor that is not an event id.
 Otherwise it replays what is after N and follows live. A finished log is kept for the grace
 period too, so a client that lost the last events can still fetch them.
@@ -19,17 +25,19 @@ backlog lives in the log, bounded by the token budget and ``resume_log_events``.
 from __future__ import annotations
 
 import asyncio
+import hmac
+import secrets
 from collections import deque
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response
 
+from labkit.hub import Hub, Stream
 from labkit.schema import StreamEncoder
 from labkit.service.errors import ServiceError
-from labkit.service.frames import PING, Frame, frames, start_frame, wire_bytes
+from labkit.service.frames import PING, Frame, frames, wire_bytes
 from labkit.service.responses import sse_response
-from labkit.streams import Stream
 
 router = APIRouter()
 
@@ -39,6 +47,7 @@ class EventLog:
 
     def __init__(self, rid: str, capacity: int) -> None:
         self.rid = rid
+        self.token = secrets.token_urlsafe(24)  # only the creator is told; resuming requires it
         self._frames: deque[Frame] = deque(maxlen=capacity)
         self._changed = asyncio.Event()
         self.finished = False
@@ -48,11 +57,11 @@ class EventLog:
 
     @property
     def last_id(self) -> int:
-        return self._frames[-1].id if self._frames else 0
+        return (self._frames[-1].id or 0) if self._frames else 0
 
     @property
     def first_id(self) -> int:
-        return self._frames[0].id if self._frames else 1
+        return (self._frames[0].id or 1) if self._frames else 1
 
     def append(self, frame: Frame) -> None:
         self._frames.append(frame)
@@ -75,7 +84,7 @@ class EventLog:
 
 
 class ResumeRegistry:
-    def __init__(self, hub: Any, model_name: str, *, grace: float, capacity: int,
+    def __init__(self, hub: Hub, model_name: str, *, grace: float, capacity: int,
                  keepalive: float, pad_bytes: int) -> None:
         self.hub, self.model_name = hub, model_name
         self.grace, self.capacity = grace, capacity
@@ -88,11 +97,19 @@ class ResumeRegistry:
     def get(self, rid: str) -> EventLog | None:
         return self._logs.get(rid)
 
+    def find(self, rid: str, token: str | None) -> EventLog:
+        """The log of ``rid`` if ``token`` is its resume token; else the 404 an unknown id gets."""
+        log = self._logs.get(rid)
+        if log is None or token is None or not _same(token, log.token):
+            raise ServiceError(404, "not_found", f"no resumable stream {rid[:64]!r} (unknown, or expired)")
+        return log
+
     def start(self, stream: Stream, prompt_tokens: int) -> EventLog:
         """Log the start event and begin pumping the hub stream into the log."""
         log = EventLog(stream.rid, self.capacity)
         encoder = StreamEncoder()
-        log.append(start_frame(encoder, stream.rid, self.model_name, prompt_tokens))
+        start = encoder.start(stream.rid, self.model_name, prompt_tokens, resume_token=log.token)
+        log.append(Frame("start", start, encoder.last_id))
         self._logs[stream.rid] = log
         log.pump = asyncio.get_running_loop().create_task(self._pump(stream, encoder, log))
         return log
@@ -108,11 +125,9 @@ class ResumeRegistry:
                 self._arm(log)
 
     # -- followers ----------------------------------------------------------------------------
-    def check_cursor(self, rid: str, cursor: int) -> EventLog | None:
+    def check_cursor(self, rid: str, token: str | None, cursor: int) -> EventLog | None:
         """The log to follow; None for "finished, nothing left" (204); or raise the refusal."""
-        log = self._logs.get(rid)
-        if log is None:
-            raise ServiceError(404, "not_found", f"no resumable stream {rid!r} (unknown, or expired)")
+        log = self.find(rid, token)
         if cursor > log.last_id:
             raise ServiceError(422, "invalid_request", f"event {cursor} does not exist; the last is {log.last_id}")
         if log.finished and cursor == log.last_id:
@@ -181,6 +196,11 @@ class ResumeRegistry:
                 log.timer.cancel()
 
 
+def _same(given: str, expected: str) -> bool:
+    """Constant-time comparison (any text: compare_digest refuses non-ASCII str)."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode("utf-8"))
+
+
 def parse_cursor(last_event_id: str | None, after: str | None) -> int:
     raw = last_event_id if last_event_id not in (None, "") else after
     if raw is None or raw == "":
@@ -195,10 +215,12 @@ def parse_cursor(last_event_id: str | None, after: str | None) -> int:
 @router.get("/v1/streams/{request_id}/events")
 async def resume_events(request: Request, request_id: str,
                         last_event_id: str | None = Header(default=None),
-                        after: str | None = Query(default=None)) -> Response:
+                        x_resume_token: str | None = Header(default=None),
+                        after: str | None = Query(default=None),
+                        token: str | None = Query(default=None)) -> Response:
     service = request.app.state.service
     cursor = parse_cursor(last_event_id, after)
-    log = service.resume.check_cursor(request_id, cursor)
+    log = service.resume.check_cursor(request_id, x_resume_token or token, cursor)
     if log is None:
         return Response(status_code=204)
     return sse_response(service.resume.follow(log, cursor), service.config.response_class, request_id=request_id)

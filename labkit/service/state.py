@@ -8,19 +8,20 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Sequence
 
+from labkit.hub import Hub, Stream
 from labkit.service.metrics import Metrics
 from labkit.service.resume import ResumeRegistry
-from labkit.streams import Stream
+from labkit.service.stats import ServiceStats, read_stats
 
 if TYPE_CHECKING:  # pragma: no cover
     from labkit.service.config import ServiceConfig
 
 
 class Service:
-    def __init__(self, engine: Any, hub: Any, config: ServiceConfig) -> None:
+    def __init__(self, engine: Any, hub: Hub, config: ServiceConfig) -> None:
         self.engine, self.hub, self.config = engine, hub, config
         self.model_name: str = engine.model.name
-        self.metrics = Metrics(hub, engine)
+        self.metrics = Metrics(self.stats)
         hub.observer = self.metrics
         self.resume = ResumeRegistry(hub, self.model_name, grace=config.resume_grace,
                                      capacity=config.resume_log_events, keepalive=config.keepalive_interval,
@@ -50,24 +51,6 @@ class Service:
         await self.resume.aclose()
         await self.hub.aclose()
 
-    def stats(self) -> dict[str, Any]:
-        engine, hub = self.engine.stats(), self.hub.stats()
-        return {
-            "model": self.model_name,
-            "open_streams": hub["open_streams"],
-            "waiting": engine["waiting"],
-            "running": engine["running"],
-            "paused": engine["paused"],
-            "free_blocks": engine["free_blocks"],
-            "held_blocks": engine["reserved_blocks"],
-            "total_blocks": engine["total_blocks"],
-            "releases": engine["releases"],
-            "late_events": hub["late_events"],
-            "finishes": engine["finished"],
-            "stream_ends": hub["ends"],
-            "errors": hub["errors"],
-            "draining": hub["draining"],
-            "resumable_logs": len(self.resume),
-            "engine": engine,
-            "hub": hub,
-        }
+    def stats(self) -> ServiceStats:
+        """The engine's and the hub's books, read once and named once (``GET /stats``, /metrics)."""
+        return read_stats(self.model_name, self.engine, self.hub, len(self.resume))

@@ -14,16 +14,16 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from labkit.engine.events import FinishEvent, TokenEvent
+from labkit.hub.stream import Stream, StreamClosed, StreamError
 from labkit.schema import StreamEncoder
 from labkit.service.errors import ServiceError
 from labkit.service.frames import frames, start_frame, wire_bytes
 from labkit.service.responses import sse_response
 from labkit.service.state import Service
-from labkit.streams import Stream, StreamClosed, StreamError
 
 router = APIRouter()
 T = TypeVar("T")
-_ERROR_STATUS = {"shutdown": 503, "draining": 503, "slow_client": 503, "cancelled": 503}
+_ERROR_STATUS = {"shutdown": 503, "draining": 503, "slow_client": 503, "cancelled": 503, "queue_timeout": 503}
 
 
 def _number(value: Any) -> Any:
@@ -74,7 +74,8 @@ async def post_stream(body: GenerateRequest, request: Request) -> Response:
     kind = service.config.response_class
     if body.resumable:
         log = service.resume.start(stream, prompt_tokens)
-        return sse_response(service.resume.follow(log, 0), kind, request_id=stream.rid)
+        return sse_response(service.resume.follow(log, 0), kind, request_id=stream.rid,
+                            headers={"X-Resume-Token": log.token})
     return sse_response(stream_body(service, stream, prompt_tokens), kind, request_id=stream.rid,
                         on_close=lambda: service.hub.close(stream))
 

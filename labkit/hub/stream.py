@@ -1,4 +1,22 @@
-"""One stream's side of the hub: its queue, its flags, and the timestamps experiments read.
+"""One stream's side of the hub: its state, its queue, and the timestamps experiments read.
+
+A stream's life is one :class:`StreamState` and the table :data:`TRANSITIONS` of the moves it may
+make; :meth:`Stream.move` checks every move against the table and raises
+:class:`IllegalTransition` for any other, so a bug that would leave a stream half-ended fails at
+the move that caused it instead of later, somewhere else::
+
+    queued --> running <--> paused
+      |           |            |
+      +-----------+------------+--> ending --> closed
+      |           |            |                 ^
+      +-----------+------------+-----------------+
+
+* ``queued``: submitted to the engine, no token yet (waiting for a batch slot, or in prefill).
+* ``running``: tokens are flowing.
+* ``paused``: the engine was asked to hold the request for a slow reader; it keeps its slot.
+* ``ending``: a terminal item (the engine's finish, or the hub's error) is in the queue; nothing
+  more is accepted, and the engine request is finished or has been asked to cancel.
+* ``closed``: :meth:`Hub.close` ran; terminal: no move leaves it.
 
 Everything here is touched only on the event loop's thread. The step thread reaches a stream
 only through ``loop.call_soon_threadsafe``, which is why no lock appears in this file.
@@ -11,10 +29,37 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any, Callable, Union
 
 from labkit.engine.events import FinishEvent, TokenEvent
+
+
+class StreamState(str, Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"
+    ENDING = "ending"
+    CLOSED = "closed"
+
+    @property
+    def live(self) -> bool:
+        """The engine request may still make tokens: a close must cancel it."""
+        return self in (StreamState.QUEUED, StreamState.RUNNING, StreamState.PAUSED)
+
+
+TRANSITIONS: dict[StreamState, frozenset[StreamState]] = {
+    StreamState.QUEUED: frozenset({StreamState.RUNNING, StreamState.ENDING, StreamState.CLOSED}),
+    StreamState.RUNNING: frozenset({StreamState.PAUSED, StreamState.ENDING, StreamState.CLOSED}),
+    StreamState.PAUSED: frozenset({StreamState.RUNNING, StreamState.ENDING, StreamState.CLOSED}),
+    StreamState.ENDING: frozenset({StreamState.CLOSED}),
+    StreamState.CLOSED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A move that :data:`TRANSITIONS` does not allow: a bug in the hub, never a client's fault."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +100,7 @@ class StreamRecord:
     release_step: int | None = None  # the step whose events carried the release
     max_queue: int = 0
     pauses: int = 0
+    states: list[str] = field(default_factory=lambda: [StreamState.QUEUED.value])  # every state visited
 
     def note_event(self, event: TokenEvent | FinishEvent, step: int) -> None:
         """Book an engine event made by step number ``step``, whether or not the stream is
@@ -76,24 +122,40 @@ class StreamRecord:
 class Stream:
     """A per-stream FIFO between the step thread's deliveries and one writer coroutine.
 
-    ``ended`` means a terminal item (finish or error) is queued and nothing more will be
-    accepted; ``closed`` means ``Hub.close`` ran. ``on_take`` lets the hub apply its policy each
-    time the writer takes an item.
+    Only the hub moves a stream (:meth:`move`); readers only :meth:`get`. ``on_take`` lets the
+    hub apply its policy each time the writer takes an item.
     """
 
     def __init__(self, record: StreamRecord, on_take: Callable[[Stream, Item], None]) -> None:
         self.rid = record.rid
         self.record = record
+        self._state = StreamState.QUEUED
         self._on_take = on_take
         self._items: deque[Item] = deque()
         self._ready = asyncio.Event()
-        self.closed = False
-        self.ended = False
-        self.finished = False  # the engine has released this request
-        self.paused = False
-        self.taken_terminal: str | None = None
-        self.timer: asyncio.TimerHandle | None = None
+        self.taken_terminal: str | None = None  # the end the reader saw, once it took it
+        self.timers: dict[str, asyncio.TimerHandle] = {}  # the hub's timers, by what they watch
         self.ack: threading.Event | None = None  # naive policy: the step thread waits on it
+
+    @property
+    def state(self) -> StreamState:
+        return self._state
+
+    def move(self, to: StreamState) -> None:
+        """Enter state ``to``; raise IllegalTransition if the table does not allow it."""
+        if to not in TRANSITIONS[self._state]:
+            raise IllegalTransition(f"stream {self.rid}: {self._state.value} -> {to.value} is not allowed")
+        self._state = to
+        self.record.states.append(to.value)
+        if to is StreamState.PAUSED:
+            self.record.pauses += 1
+        if to is StreamState.CLOSED:
+            self._release_waiters()
+
+    @property
+    def accepting(self) -> bool:
+        """Events from the engine still go into the queue (nothing terminal is there yet)."""
+        return self._state.live
 
     def __len__(self) -> int:
         return len(self._items)
@@ -108,7 +170,7 @@ class Stream:
     async def get(self, timeout: float | None = None) -> Item | None:
         """The next item; ``None`` if ``timeout`` passes first; StreamClosed once closed and empty."""
         while not self._items:
-            if self.closed:
+            if self._state is StreamState.CLOSED:
                 raise StreamClosed(self.rid)
             self._ready.clear()
             if timeout is None:
@@ -122,17 +184,16 @@ class Stream:
         self._on_take(self, item)
         return item
 
-    def wake(self) -> None:
-        self._ready.set()
+    def cancel_timer(self, name: str) -> None:
+        timer = self.timers.pop(name, None)
+        if timer is not None:
+            timer.cancel()
 
-    def release_waiters(self) -> None:
-        """Let a blocked step thread go (naive policy) and stop any policy timer."""
+    def _release_waiters(self) -> None:
+        """Closed: let a blocked step thread go (naive policy), stop every timer, wake the reader."""
         if self.ack is not None:
             self.ack.set()
             self.ack = None
-        self.cancel_timer()
-
-    def cancel_timer(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        for name in list(self.timers):
+            self.cancel_timer(name)
+        self._ready.set()
