@@ -184,7 +184,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             kwargs.update(action=argparse.BooleanOptionalAction)
         elif kind == (int | None):
-            kwargs.update(type=_optional_int, metavar="N|none")
+            kwargs.update(type=_optional(int), metavar="N|none")
+        elif kind == (float | None):
+            kwargs.update(type=_optional(float), metavar="SECONDS|none")
         elif kind == tuple[str, ...]:
             kwargs.update(type=_names, metavar="NAME,...")
         elif kind in (int, float, str):
@@ -198,8 +200,12 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     return ServiceConfig.of(**{f.name: getattr(args, f.name) for _, _, f in leaves()})
 
 
-def _optional_int(text: str) -> int | None:
-    return None if text.lower() in ("none", "") else int(text)
+def _optional(kind: type) -> Any:
+    """A flag parser for ``kind | None``: "none" (or nothing) turns the setting off."""
+    def parse(text: str) -> Any:
+        return None if text.lower() in ("none", "") else kind(text)
+    parse.__name__ = kind.__name__  # argparse names the type in its error messages
+    return parse
 
 
 def _names(text: str) -> tuple[str, ...]:
