@@ -238,7 +238,9 @@ class Hub:
         """The one path to the engine's inbox: ``open`` submits, ``_move`` pauses, resumes, cancels.
         A submit raises the engine's refusals (the stream is then never registered)."""
         if verb == "submit":
-            self.engine.submit(request_id=stream.rid, **(request or {}))
+            handle = self.engine.submit(request_id=stream.rid, **(request or {}))
+            if isinstance(handle, str):  # the engine's RequestId: later wishes reach this request only
+                stream.rid = handle
         else:
             getattr(self.engine, verb)(stream.rid)
 
