@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response
 
-from labkit.schema import StreamEncoder
+from labkit.schema import StreamEncoder, clip
 from labkit.service.errors import ServiceError
 from labkit.service.frames import PING, Frame, frames, start_frame, wire_bytes
 from labkit.service.responses import sse_response
@@ -112,7 +112,7 @@ class ResumeRegistry:
         """The log to follow; None for "finished, nothing left" (204); or raise the refusal."""
         log = self._logs.get(rid)
         if log is None:
-            raise ServiceError(404, "not_found", f"no resumable stream {rid!r} (unknown, or expired)")
+            raise ServiceError(404, "not_found", f"no resumable stream {clip(rid)!r} (unknown, or expired)")
         if cursor > log.last_id:
             raise ServiceError(422, "invalid_request", f"event {cursor} does not exist; the last is {log.last_id}")
         if log.finished and cursor == log.last_id:
