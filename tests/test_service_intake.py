@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from labkit.errors import PromptTooLong
+from labkit.errors import InvalidRequest, PromptTooLong
 from labkit.service.intake import PromptLimits, encode_text
 from service_helpers import TIMEOUT, RawClient, lab_server
 
@@ -99,3 +99,13 @@ def test_tokenizing_runs_off_the_event_loop(tiny_gpt2: Any) -> None:
     ids, gap = asyncio.run(main())
     assert ids == expected
     assert gap < inline / 4, (gap, inline)  # inline, the loop would wait the whole ``inline``
+
+
+@pytest.mark.parametrize("size", [10, 10_000])  # tokenized in place, and in a thread of its own
+def test_a_tokenizer_that_refuses_the_text_is_the_clients_fault(size: int) -> None:
+    def refuse(text: str) -> list[int]:
+        raise TypeError("TextEncodeInput must be Union[...]")
+
+    with pytest.raises(InvalidRequest, match="could not be tokenized") as caught:
+        asyncio.run(encode_text(refuse, "x" * size))
+    assert "TextEncodeInput" not in str(caught.value)

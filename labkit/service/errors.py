@@ -8,17 +8,17 @@ HTTP status can carry (``not_found``, ``gone``, ...) are added here.
 A refusal never quotes a client's input at length (values are cut by :func:`labkit.schema.clip`,
 messages by the envelope, and a validation error lists at most :data:`MAX_PROBLEMS` problems),
 and a failure that is not a refusal says ``internal error`` and nothing else: exception names
-and messages go to the log, not to the client. :data:`ERROR_RESPONSES` documents all of this in
-the OpenAPI schema, so that the schema and the service agree on every status.
+and messages go to the log, not to the client (:mod:`labkit.service.openapi` documents the
+envelope for each route's statuses).
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -30,29 +30,6 @@ from labkit.schema import ERROR_TYPES, clip, error_envelope
 HTTP_ONLY_TYPES = frozenset({"not_found", "gone", "method_not_allowed", "payload_too_large", "http_error"})
 INTERNAL = "internal error"  # all a client learns of a failure that is not its fault
 MAX_PROBLEMS = 5  # validation problems listed in one message; the rest are counted
-
-
-class ErrorDetail(BaseModel):
-    type: str
-    message: str
-
-
-class ErrorBody(BaseModel):
-    """``{"error": {"type", "message"}}``: every refusal, whatever refused it."""
-
-    error: ErrorDetail
-
-
-def _refusal(why: str) -> dict[str, Any]:
-    return {"model": ErrorBody, "description": why}
-
-
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    413: _refusal("The body is larger than the server's limit."),
-    422: _refusal("The request can never be served as written (invalid_request, prompt_too_long)."),
-    429: _refusal("The waiting list is full; Retry-After says when to try again."),
-    503: _refusal("The server is draining or shutting down; Retry-After says when to try again."),
-}
 
 
 class ServiceError(LabkitError):
@@ -129,16 +106,22 @@ def describe_validation(exc: RequestValidationError) -> str:
     """One readable line per problem: ``body.max_new_tokens: Input should be a valid integer``;
     the first :data:`MAX_PROBLEMS` of them, each place cut short (a key can be the client's)."""
     errors = list(exc.errors())
-    parts = [_problem(err) for err in errors[:MAX_PROBLEMS]]
+    parts = list(dict.fromkeys(_problem(err) for err in errors[:MAX_PROBLEMS]))  # union branches repeat
     if len(errors) > MAX_PROBLEMS:
         parts.append(f"and {len(errors) - MAX_PROBLEMS} more problems")
     return "; ".join(parts) or "invalid request"
 
 
+# Places pydantic adds for the branches of a union and for validator functions: internal names
+# (``function-after[functools.partial(<function ...>)]``), not places in the body.
+_BRANCH = re.compile(r"^(function-\w+\[.*|constrained-\w+|json-or-python\[.*|lax-or-strict\[.*|"
+                     r"(str|int|float|bool|none|is-instance|literal|list|dict|tuple|union)(\[.*\])?)$")
+
+
 def _problem(err: Any) -> str:
     if err.get("type") == "json_invalid":
         return f"invalid JSON: {clip(err.get('ctx', {}).get('error', err.get('msg')), 120)}"
-    where = ".".join(clip(p) for p in err.get("loc", ()))
+    where = ".".join(clip(p) for p in err.get("loc", ()) if not (isinstance(p, str) and _BRANCH.match(p)))
     message = clip(err.get("msg"), 120)
     return f"{where}: {message}" if where else message
 
@@ -152,6 +135,8 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         return error_response(err.status, err.type, err.message, err.headers)
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # FastAPI's "error parsing the body" (not UTF-8): invalid JSON, like any other
+            return error_response(422, "invalid_request", "invalid JSON: the body is not JSON text in UTF-8")
         kind = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code, "http_error")
         return error_response(exc.status_code, kind, str(exc.detail), getattr(exc, "headers", None))
 

@@ -14,18 +14,20 @@ OpenAPI schema states them (pydantic turns each constraint into both a check and
 
 Then the prompt, in order of cost: a prompt whose length in characters could not fit the
 model's context is refused before any tokenizer sees it (:class:`PromptLimits`), and only then is
-it tokenized, or the chat template applied, in a worker thread (:func:`off_loop`). On the event
-loop a 1 MiB prompt held every other stream's writes for 0.6-1.8 s.
+it tokenized, or the chat template applied, in a thread of its own if it is long
+(:func:`off_loop`). On the event loop a 1 MiB prompt held every other stream's writes for
+0.6-1.8 s.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, TypeVar
 
-from pydantic import AfterValidator, BeforeValidator, Field, StrictInt, StrictStr
+from pydantic import AfterValidator, BeforeValidator, Field, Strict, StrictStr
 from pydantic_core import PydanticCustomError
 
 from labkit.errors import InvalidRequest, PromptTooLong
@@ -35,6 +37,7 @@ MAX_STOP_CHARS = 256
 MAX_MESSAGES = 256
 MAX_CONTENT_PARTS = 64
 NO_BOUND = 1 << 20  # characters per token when the vocabulary cannot be read: the body limit rules
+INLINE_CHARS = 2048  # prompts up to this long are tokenized in place (a few ms at most)
 TINY = 1e-38  # below float32's smallest normal: a temperature or top_p this small samples greedily
 
 T = TypeVar("T")
@@ -49,10 +52,11 @@ def _unicode(text: str) -> str:
     return text
 
 
-def _number(value: Any) -> Any:
-    """Accept JSON numbers only: no "0.5" strings, no booleans (pydantic's lax mode takes both)."""
+def _integer(value: Any) -> Any:
+    """JSON numbers with no fraction: ``5`` and ``5.0`` (JSON Schema's ``integer`` is both), no
+    "5", no ``true``."""
     if isinstance(value, (str, bool)):
-        raise ValueError("must be a number")
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
     return value
 
 
@@ -60,8 +64,14 @@ Text = Annotated[StrictStr, AfterValidator(_unicode)]
 Prompt = Annotated[Text, Field(min_length=1)]
 StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None
-Number = Annotated[float, BeforeValidator(_number), Field(allow_inf_nan=False)]
-TokenId = Annotated[StrictInt, Field(ge=0)]
+# Constraints come before a validator in each Annotated: after one, pydantic still checks them
+# but leaves them out of the JSON schema (it writes "ge" where JSON Schema says "minimum").
+Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]  # a JSON number: no "0.5", no true
+NoFraction = BeforeValidator(_integer)
+Integer = Annotated[int, NoFraction]
+Count = Annotated[int, Field(ge=1), NoFraction]
+TokenId = Annotated[int, Field(ge=0), NoFraction]
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**64), NoFraction]  # what torch.Generator takes
 
 
 def accepting(*allowed: Any) -> BeforeValidator:
@@ -142,15 +152,42 @@ def limits_of(engine: Any) -> PromptLimits:
     return limits
 
 
-async def off_loop(work: Callable[..., T], *args: Any) -> T:
-    """``work(*args)`` in a worker thread, so that the event loop keeps writing other streams."""
-    return await asyncio.to_thread(work, *args)
+async def off_loop(work: Callable[..., T], *args: Any, size: int) -> T:
+    """``work(*args)``, in a thread of its own when ``size`` (characters) is large enough to be
+    felt, so that the event loop keeps writing other streams meanwhile.
+
+    A short prompt is tokenized in place: a thread costs more than a millisecond of work. A thread
+    per large prompt, ended with its work, rather than a pool: a server that was only ever sent
+    short prompts runs no thread but the step thread, as before, and none outlives its work.
+    """
+    if size <= INLINE_CHARS:
+        return work(*args)
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not future.done():  # the request may have been cancelled meanwhile
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = work(*args)
+        except BaseException as exc:  # handed to the awaiting request, raised there
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed first: nobody is waiting
+            pass
+
+    threading.Thread(target=run, name="labkit-tokenize", daemon=True).start()
+    return await future
 
 
 async def encode_text(encode: Callable[[str], Any], text: str) -> list[int]:
     """``encode(text)`` off the loop; a tokenizer that refuses the text is the client's fault."""
     try:
-        ids = await off_loop(encode, text)
+        ids = await off_loop(encode, text, size=len(text))
     except (TypeError, ValueError, UnicodeError) as exc:
         raise InvalidRequest("the prompt could not be tokenized") from exc
     return [int(t) for t in ids]
@@ -169,7 +206,8 @@ async def chat_ids(engine: Any, turns: list[dict[str, str]]) -> list[int]:
     below and the cheap check comes first here too. A template that refuses the messages (some
     insist that roles alternate) is the client's fault: 422.
     """
-    limits_of(engine).check_chars(sum(len(t["role"]) + len(t["content"]) for t in turns))
+    chars = sum(len(t["role"]) + len(t["content"]) for t in turns)
+    limits_of(engine).check_chars(chars)
     tokenizer = engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         text = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
@@ -177,7 +215,7 @@ async def chat_ids(engine: Any, turns: list[dict[str, str]]) -> list[int]:
     from jinja2 import TemplateError
 
     try:
-        ids = await off_loop(_apply_template, tokenizer, turns)
+        ids = await off_loop(_apply_template, tokenizer, turns, size=chars)
     except (TemplateError, TypeError, ValueError, KeyError, UnicodeError) as exc:
         raise InvalidRequest("the model's chat template could not render these messages") from exc
     return ids

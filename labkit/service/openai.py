@@ -23,30 +23,25 @@ from typing import Annotated, Any, AsyncIterator, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from labkit.engine.events import FinishEvent, TokenEvent
 from labkit.schema import error_envelope
-from labkit.service.errors import ERROR_RESPONSES, public_message
+from labkit.service.errors import public_message
 from labkit.service.frames import PING, items, padding
 from labkit.service.intake import (
-    MAX_CONTENT_PARTS, MAX_MESSAGES, Number, Prompt, Stop, Text, TokenId, accepting, chat_ids,
-    greedy_if_tiny, prompt_ids,
+    MAX_CONTENT_PARTS, MAX_MESSAGES, Count, Number, Prompt, Seed, Stop, Text, TokenId, accepting,
+    chat_ids, greedy_if_tiny, prompt_ids,
 )
-from labkit.service.responses import SSE_MEDIA_TYPE, sse_response
+from labkit.service.openapi import OPENAI_ANSWER
+from labkit.service.responses import sse_response
 from labkit.service.state import Service
 from labkit.service.streaming import collect_whole, service_of
 from labkit.sse import ServerSentEvent
 from labkit.streams import Stream
 
-router = APIRouter(responses=ERROR_RESPONSES)
+router = APIRouter()
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
-_ANSWER: dict[int | str, dict[str, Any]] = {
-    200: {"description": "The whole answer as JSON, or with ``stream: true`` server-sent events of "
-                         "JSON chunks ending with ``data: [DONE]``.",
-          "content": {"application/json": {"schema": {"type": "object"}},
-                      SSE_MEDIA_TYPE: {"schema": {"type": "string"}}}},
-}
 
 
 class StreamOptions(BaseModel):
@@ -66,13 +61,13 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    temperature: Number | None = Field(None, ge=0, le=2)
-    top_p: Number | None = Field(None, gt=0, le=1)
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
     n: Annotated[Literal[1] | None, accepting(1)] = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     stop: Stop = None
-    seed: StrictInt | None = None
+    seed: Seed | None = None
     ignore_eos: StrictBool = False  # not OpenAI's; vLLM and llama.cpp's server accept it too
     presence_penalty: Annotated[Annotated[float, Field(ge=0, le=0)] | None, accepting(0)] = None
     frequency_penalty: Annotated[Annotated[float, Field(ge=0, le=0)] | None, accepting(0)] = None
@@ -83,7 +78,7 @@ class CompletionRequest(_Sampling):
     prompt: (Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=1)]
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)])
-    max_tokens: StrictInt | None = Field(16, ge=1)
+    max_tokens: Count | None = 16
     echo: Annotated[Literal[False] | None, accepting(False)] = False
     logprobs: Annotated[None, accepting()] = None
     best_of: Annotated[Literal[1] | None, accepting(1)] = None
@@ -104,8 +99,8 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: Annotated[Literal[False] | None, accepting(False)] = False
     top_logprobs: Annotated[Literal[0] | None, accepting(0)] = None
     response_format: Annotated[TextFormat | None, accepting({"type": "text"})] = None
@@ -143,14 +138,14 @@ async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "labkit"}]}
 
 
-@router.post("/v1/completions", response_class=Response, responses=_ANSWER)
+@router.post("/v1/completions", response_class=Response, responses=OPENAI_ANSWER)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     service = service_of(request)
     ids = await completion_prompt_ids(service, body.prompt)
     return await answer(request, service, body, ids, body.max_tokens or 16, "completion")
 
 
-@router.post("/v1/chat/completions", response_class=Response, responses=_ANSWER)
+@router.post("/v1/chat/completions", response_class=Response, responses=OPENAI_ANSWER)
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     service = service_of(request)
     ids = await chat_prompt_ids(service, body.messages)

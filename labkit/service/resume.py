@@ -26,6 +26,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response
 
 from labkit.schema import StreamEncoder, clip
+from labkit.service import openapi
 from labkit.service.errors import ServiceError
 from labkit.service.frames import PING, Frame, frames, start_frame, wire_bytes
 from labkit.service.responses import sse_response
@@ -192,7 +193,7 @@ def parse_cursor(last_event_id: str | None, after: str | None) -> int:
     return int(digits)
 
 
-@router.get("/v1/streams/{request_id}/events")
+@router.get("/v1/streams/{request_id}/events", response_class=Response, responses=openapi.RESUME)
 async def resume_events(request: Request, request_id: str,
                         last_event_id: str | None = Header(default=None),
                         after: str | None = Query(default=None)) -> Response:

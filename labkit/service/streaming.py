@@ -12,18 +12,19 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from labkit.engine.events import FinishEvent, TokenEvent
 from labkit.schema import StreamEncoder
-from labkit.service.errors import ERROR_RESPONSES, ServiceError, public_message
+from labkit.service.errors import ServiceError, public_message
 from labkit.service.frames import frames, start_frame, wire_bytes
-from labkit.service.intake import Number, Prompt, Stop, greedy_if_tiny, prompt_ids
-from labkit.service.responses import SSE_MEDIA_TYPE, sse_response
+from labkit.service.intake import Count, Number, Prompt, Seed, Stop, greedy_if_tiny, prompt_ids
+from labkit.service.openapi import BODY_REFUSALS, LAB_STREAM
+from labkit.service.responses import sse_response
 from labkit.service.state import Service
 from labkit.streams import Stream, StreamClosed, StreamError
 
-router = APIRouter(responses=ERROR_RESPONSES)
+router = APIRouter()
 T = TypeVar("T")
 _ERROR_STATUS = {"shutdown": 503, "draining": 503, "slow_client": 503, "cancelled": 503}
 
@@ -34,11 +35,11 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt: Prompt
-    max_new_tokens: StrictInt = Field(64, ge=1)
+    max_new_tokens: Count = 64
     stop: Stop = None
     temperature: Number = Field(0.0, ge=0)
     top_p: Number = Field(1.0, gt=0, le=1)
-    seed: StrictInt | None = None
+    seed: Seed | None = None
     ignore_eos: StrictBool = False
 
 
@@ -57,12 +58,6 @@ class GenerateResponse(BaseModel):
     usage: dict[str, int]
 
 
-SSE_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {"description": "Server-sent events: start, token..., done | error (see labkit.schema).",
-          "content": {SSE_MEDIA_TYPE: {"schema": {"type": "string"}}}},
-}
-
-
 def service_of(request: Request) -> Service:
     return request.app.state.service
 
@@ -75,7 +70,7 @@ async def open_stream(service: Service, body: GenerateRequest) -> tuple[Stream, 
     return stream, len(ids)
 
 
-@router.post("/v1/stream", response_class=Response, responses=SSE_RESPONSE)
+@router.post("/v1/stream", response_class=Response, responses=LAB_STREAM)
 async def post_stream(body: StreamRequest, request: Request) -> Response:
     service = service_of(request)
     capacity = service.config.resume_log_events
@@ -102,7 +97,7 @@ async def stream_body(service: Service, stream: Stream, prompt_tokens: int) -> A
         service.hub.close(stream)
 
 
-@router.post("/v1/generate", response_model=GenerateResponse)
+@router.post("/v1/generate", response_model=GenerateResponse, responses=BODY_REFUSALS)
 async def post_generate(body: GenerateRequest, request: Request) -> Response:
     service = service_of(request)
     stream, _ = await open_stream(service, body)
