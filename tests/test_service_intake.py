@@ -6,16 +6,17 @@ model's context by its length in characters alone is refused before any tokenize
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from typing import Any
 
 import httpx
 import pytest
+from service_helpers import TIMEOUT, RawClient, lab_server
 
 from labkit.errors import InvalidRequest, PromptTooLong
 from labkit.service.intake import PromptLimits, encode_text
-from service_helpers import TIMEOUT, RawClient, lab_server
 
 HUGE = "hello " * 170_000  # 0.97 MiB: under the body limit, far over any context of the tiny models
 
@@ -27,7 +28,7 @@ def token_gaps(server: Any, body: dict[str, Any], meanwhile: Any = None) -> list
     helper = None
     while not client.ended:
         count = len(client.events)
-        client.read_until(lambda: len(client.events) > count)
+        client.read_until(lambda count=count: len(client.events) > count)
         arrivals += [time.perf_counter()] * (len(client.events) - count)
         if meanwhile is not None and helper is None and len(client.events) >= 2:
             helper = threading.Thread(target=meanwhile)
@@ -36,7 +37,7 @@ def token_gaps(server: Any, body: dict[str, Any], meanwhile: Any = None) -> list
     if helper is not None:
         helper.join(TIMEOUT)
     assert client.events[-1][0] == "done", client.events[-1]
-    return [b - a for a, b in zip(arrivals[1:-1], arrivals[2:-1])]
+    return [b - a for a, b in itertools.pairwise(arrivals[1:-1])]
 
 
 def test_a_huge_prompt_is_refused_without_stalling_another_stream(tiny_gpt2: Any) -> None:

@@ -8,14 +8,14 @@ whatever it is asked to.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode, checks
-
 from service_helpers import TIMEOUT, lab_server
 
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,

@@ -118,17 +118,18 @@ def test_service_config_names_the_bad_setting() -> None:
 
 # -- what a hostile client sent (issue 12) -----------------------------------------------------
 LONE = '"\\ud800"'  # a JSON string holding a lone surrogate: valid JSON, not valid Unicode text
+MARK = "SURROGATE"  # where LONE goes in each body below
 SURROGATE_BODIES = [
-    pytest.param("/v1/stream", '{"prompt": %s}' % LONE, id="stream-prompt"),
-    pytest.param("/v1/generate", '{"prompt": %s}' % LONE, id="generate-prompt"),
-    pytest.param("/v1/generate", '{"prompt": "x", "stop": %s}' % LONE, id="generate-stop"),
-    pytest.param("/v1/completions", '{"prompt": %s}' % LONE, id="completions-prompt"),
-    pytest.param("/v1/completions", '{"prompt": [%s]}' % LONE, id="completions-prompt-list"),
-    pytest.param("/v1/chat/completions", '{"messages": [{"role": "user", "content": %s}]}' % LONE,
+    pytest.param("/v1/stream", '{"prompt": SURROGATE}', id="stream-prompt"),
+    pytest.param("/v1/generate", '{"prompt": SURROGATE}', id="generate-prompt"),
+    pytest.param("/v1/generate", '{"prompt": "x", "stop": SURROGATE}', id="generate-stop"),
+    pytest.param("/v1/completions", '{"prompt": SURROGATE}', id="completions-prompt"),
+    pytest.param("/v1/completions", '{"prompt": [SURROGATE]}', id="completions-prompt-list"),
+    pytest.param("/v1/chat/completions", '{"messages": [{"role": "user", "content": SURROGATE}]}',
                  id="chat-content"),
-    pytest.param("/v1/chat/completions", '{"messages": [{"role": %s, "content": "x"}]}' % LONE, id="chat-role"),
+    pytest.param("/v1/chat/completions", '{"messages": [{"role": SURROGATE, "content": "x"}]}', id="chat-role"),
     pytest.param("/v1/chat/completions",
-                 '{"messages": [{"role": "user", "content": [{"type": "text", "text": %s}]}]}' % LONE,
+                 '{"messages": [{"role": "user", "content": [{"type": "text", "text": SURROGATE}]}]}',
                  id="chat-content-part"),
 ]
 EXCEPTION_NAME = re.compile(r"[A-Z]\w*(Error|Exception|Input)\b|Traceback|labkit\.|tokenizers")
@@ -143,8 +144,9 @@ def assert_refused_plainly(response: Any, status: int, kind: str) -> dict[str, A
 
 @pytest.mark.parametrize("path, data", SURROGATE_BODIES)
 def test_a_lone_surrogate_in_any_text_field_is_a_422_not_a_500(server: Any, path: str, data: str) -> None:
+    body = data.replace(MARK, LONE).encode()
     with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
-        response = client.post(path, content=data.encode(), headers={"content-type": "application/json"})
+        response = client.post(path, content=body, headers={"content-type": "application/json"})
     assert_refused_plainly(response, 422, "invalid_request")
 
 

@@ -24,8 +24,9 @@ import asyncio
 import json
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BeforeValidator, Field, Strict, StrictStr
 from pydantic_core import PydanticCustomError
@@ -173,7 +174,7 @@ async def off_loop(work: Callable[..., T], *args: Any, size: int) -> T:
         result, error = None, None
         try:
             result = work(*args)
-        except BaseException as exc:  # handed to the awaiting request, raised there
+        except Exception as exc:  # noqa: BLE001 - handed to the awaiting request, raised there
             error = exc
         try:
             loop.call_soon_threadsafe(settle, result, error)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, AsyncIterator, Literal
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response

@@ -8,7 +8,8 @@ its prompt is tokenized off the event loop, is :mod:`labkit.service.intake`'s.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
