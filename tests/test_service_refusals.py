@@ -236,3 +236,18 @@ def test_chat_messages_are_bounded_in_number(server: Any) -> None:
     with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
         error = assert_refused_plainly(client.post("/v1/chat/completions", json=body), 422, "invalid_request")
     assert "messages" in error["message"]
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("path", ["/v1/generate", "/v1/completions"])
+def test_a_temperature_or_top_p_that_float32_rounds_to_zero_is_served_greedily(
+        server: Any, path: str, field: str) -> None:
+    # 5e-324 once divided by zero inside the step and ended every open stream with internal_error.
+    body = {"prompt": "Hello", "max_new_tokens" if path == "/v1/generate" else "max_tokens": 4}
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        tiny = client.post(path, json={**body, "temperature": 1.0, field: 5e-324})
+        greedy = client.post(path, json={**body, "temperature": 0})
+    assert tiny.status_code == 200, tiny.text
+    assert tiny.json()["usage"] == greedy.json()["usage"]
+    text = (lambda r: r.json()["text"] if path == "/v1/generate" else r.json()["choices"][0]["text"])
+    assert text(tiny) == text(greedy)
