@@ -27,6 +27,10 @@ Why these choices:
 * Payloads are JSON, which escapes CR and LF, so text with blank lines in it can never end an
   SSE event early. ``ensure_ascii=False`` keeps non-ASCII text readable and small.
 * Every stream ends with ``done`` or ``error``: a stream that stops without one was cut.
+* An error message never carries a client's input at length: :func:`clip` cuts an echoed value
+  to 64 characters and makes it encodable (a lone surrogate becomes ``\\ud800``), and
+  :func:`error_envelope` cuts any message to :data:`MAX_MESSAGE_CHARS`, so a refusal stays small
+  whatever was sent.
 * Readers are tolerant: :func:`decode_event` checks the keys it needs, ignores extra keys, and
   passes through event types it does not know (with their JSON object) so that new types can be
   added without breaking old clients.
@@ -39,7 +43,7 @@ from typing import Any
 from labkit.sse import ParsedEvent, ServerSentEvent
 
 __all__ = [
-    "ERROR_TYPES", "EVENT_TYPES", "start_payload", "token_payload", "done_payload",
+    "ERROR_TYPES", "EVENT_TYPES", "MAX_MESSAGE_CHARS", "clip", "start_payload", "token_payload", "done_payload",
     "error_envelope", "StreamEncoder", "decode_event",
 ]
 
@@ -48,6 +52,21 @@ ERROR_TYPES = frozenset({
     "invalid_request", "prompt_too_long", "queue_full", "draining",
     "slow_client", "shutdown", "internal_error", "cancelled", "queue_timeout",
 })
+
+MAX_MESSAGE_CHARS = 512  # an error message is cut here, whoever built it
+ECHO_CHARS = 64  # an input value quoted in a message is cut here
+
+
+def clip(value: object, limit: int = ECHO_CHARS) -> str:
+    """``value`` as text fit to quote in an error: at most ``limit`` characters and then "…", with
+    anything UTF-8 cannot carry (a lone surrogate) escaped, so the message can always be sent."""
+    text = str(value)
+    if len(text) > limit:
+        text = text[:limit] + "…"
+    if not text.isascii():
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
 
 # Required keys and their types, per event type; nested objects are checked one level down.
 _REQUIRED: dict[str, dict[str, Any]] = {
@@ -75,11 +94,12 @@ def done_payload(finish_reason: str, prompt_tokens: int, completion_tokens: int)
     return {"finish_reason": finish_reason, "usage": usage}
 
 
-def error_envelope(type: str, message: str) -> dict[str, Any]:
-    """``{"error": {"type", "message"}}``; unknown types are refused to catch typos early."""
-    if type not in ERROR_TYPES:
-        raise ValueError(f"unknown error type {type!r}; expected one of {sorted(ERROR_TYPES)}")
-    return {"error": {"type": type, "message": message}}
+def error_envelope(type: str, message: str, known: frozenset[str] = ERROR_TYPES) -> dict[str, Any]:
+    """``{"error": {"type", "message"}}`` with the message clipped to :data:`MAX_MESSAGE_CHARS`;
+    a type outside ``known`` is refused to catch typos early."""
+    if type not in known:
+        raise ValueError(f"unknown error type {type!r}; expected one of {sorted(known)}")
+    return {"error": {"type": type, "message": clip(message, MAX_MESSAGE_CHARS)}}
 
 
 def _dumps(payload: dict[str, Any]) -> str:

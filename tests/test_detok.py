@@ -1,6 +1,8 @@
 """Token ids to streamable text, with the real GPT-2 and SmolLM2 tokenizers, and stop strings."""
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -237,3 +239,40 @@ def test_stop_matching_does_not_depend_on_how_text_is_cut(text: str, stops: list
     expected = whole.text if whole.stopped else text
     assert ("".join(texts) + tail, stopped) == (expected, whole.stopped)
     assert not any(s in "".join(texts) + tail for s in stops)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text("abc", max_size=24), st.lists(st.text("abc", min_size=1, max_size=4), min_size=1, max_size=5))
+def test_the_stop_that_ends_first_wins_and_only_a_possible_start_is_held(text: str, stops: list[str]) -> None:
+    matcher = StopMatcher(stops)
+    result = matcher.push(text)
+    found = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+    if found:
+        assert result == StopResult(text[: min(found)[1]], True)
+        return
+    held = text[len(result.text):]
+    assert not result.stopped and text.startswith(result.text) and matcher.flush() == held
+    could_start = [n for n in range(len(text) + 1) if any(s.startswith(text[len(text) - n:]) for s in stops)]
+    assert len(held) == max(could_start)
+
+
+def _push_time(matcher: StopMatcher, deltas: list[str]) -> float:
+    best = float("inf")
+    for _ in range(3):
+        matcher.flush()
+        start = time.perf_counter()
+        for delta in deltas:
+            matcher.push(delta)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_matching_time_does_not_grow_with_the_number_of_stops() -> None:
+    # Stops that keep almost matching (same letters, one that never comes), so each delta leaves a
+    # tail that could start many of them. Matching once cost every stop on every delta.
+    rng = random.Random(12)
+    many = ["".join(rng.choice("ab") for _ in range(10)) + "!" for _ in range(2000)]
+    deltas = ["".join(rng.choice("ab") for _ in range(4)) for _ in range(500)]
+    few_time = _push_time(StopMatcher(many[:1]), deltas)
+    many_time = _push_time(StopMatcher(many), deltas)
+    assert many_time < 10 * few_time, (many_time, few_time)  # 2000 times the stops, not 2000 times the time

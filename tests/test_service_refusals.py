@@ -1,12 +1,16 @@
 """Everything refusable is refused before the first byte: a JSON envelope with its own status."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from labkit.schema import MAX_MESSAGE_CHARS, clip
+from labkit.service.errors import as_service_error
+from labkit.service.intake import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from service_helpers import TIMEOUT, RawClient, lab_server, occupy_a_slot
 
 BAD_BODIES = [
@@ -26,6 +30,10 @@ BAD_BODIES = [
     pytest.param(b'{"prompt": ""}', "invalid_request", id="empty-prompt"),
     pytest.param(b'{"prompt": "x", "max_new_tokens": 600}', "prompt_too_long", id="too-long"),
 ]
+
+
+def chat_body(fields: dict[str, Any]) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **fields}
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +114,140 @@ def test_service_config_names_the_bad_setting() -> None:
                 {"keepalive_interval": 0}, {"port": 70000}]:
         with pytest.raises(ValueError, match=next(iter(bad))):
             ServiceConfig.of(**bad)
+
+
+# -- what a hostile client sent (issue 12) -----------------------------------------------------
+LONE = '"\\ud800"'  # a JSON string holding a lone surrogate: valid JSON, not valid Unicode text
+MARK = "SURROGATE"  # where LONE goes in each body below
+SURROGATE_BODIES = [
+    pytest.param("/v1/stream", '{"prompt": SURROGATE}', id="stream-prompt"),
+    pytest.param("/v1/generate", '{"prompt": SURROGATE}', id="generate-prompt"),
+    pytest.param("/v1/generate", '{"prompt": "x", "stop": SURROGATE}', id="generate-stop"),
+    pytest.param("/v1/completions", '{"prompt": SURROGATE}', id="completions-prompt"),
+    pytest.param("/v1/completions", '{"prompt": [SURROGATE]}', id="completions-prompt-list"),
+    pytest.param("/v1/chat/completions", '{"messages": [{"role": "user", "content": SURROGATE}]}',
+                 id="chat-content"),
+    pytest.param("/v1/chat/completions", '{"messages": [{"role": SURROGATE, "content": "x"}]}', id="chat-role"),
+    pytest.param("/v1/chat/completions",
+                 '{"messages": [{"role": "user", "content": [{"type": "text", "text": SURROGATE}]}]}',
+                 id="chat-content-part"),
+]
+EXCEPTION_NAME = re.compile(r"[A-Z]\w*(Error|Exception|Input)\b|Traceback|labkit\.|tokenizers")
+
+
+def assert_refused_plainly(response: Any, status: int, kind: str) -> dict[str, Any]:
+    """The envelope, and nothing in it that names an internal class or module."""
+    assert_envelope(response, status, kind)
+    assert not EXCEPTION_NAME.search(response.text), response.text
+    return response.json()["error"]
+
+
+@pytest.mark.parametrize("path, data", SURROGATE_BODIES)
+def test_a_lone_surrogate_in_any_text_field_is_a_422_not_a_500(server: Any, path: str, data: str) -> None:
+    body = data.replace(MARK, LONE).encode()
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        response = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert_refused_plainly(response, 422, "invalid_request")
+
+
+def test_an_unexpected_failure_says_internal_error_and_nothing_else() -> None:
+    err = as_service_error(RuntimeError("TextEncodeInput must be Union[...] in /opt/secret.py"))
+    assert (err.status, err.type, err.message) == (500, "internal_error", "internal error")
+
+
+@pytest.mark.parametrize("path", ["/v1/stream", "/v1/generate", "/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stop, problem", [
+    pytest.param([f"never{i}" for i in range(MAX_STOP_STRINGS + 1)], "stop", id="too-many"),
+    pytest.param(["x" * (MAX_STOP_CHARS + 1)], "stop", id="too-long"),
+    pytest.param("", "stop", id="empty-string"),
+    pytest.param([""], "stop", id="empty-string-in-a-list"),
+])
+def test_stop_strings_are_bounded_in_number_and_length(server: Any, path: str, stop: Any, problem: str) -> None:
+    body = chat_body({"stop": stop}) if path.endswith("chat/completions") else {"prompt": "x", "stop": stop}
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        error = assert_refused_plainly(client.post(path, json=body), 422, "invalid_request")
+    assert problem in error["message"]
+
+
+def test_the_most_stop_strings_allowed_are_served(server: Any) -> None:
+    stops = [f"{i:03d}" + "z" * (MAX_STOP_CHARS - 3) for i in range(MAX_STOP_STRINGS)]
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        response = client.post("/v1/generate", json={"prompt": "x", "max_new_tokens": 4, "stop": stops})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("path, body", [
+    pytest.param("/v1/generate", {"prompt": "x", "stop": [""] * 250_000}, id="250k-empty-stops"),
+    pytest.param("/v1/generate", {"prompt": "x", "k" * 70_000: 1}, id="70k-char-unknown-field"),
+    pytest.param("/v1/chat/completions", chat_body({"messages": [{"role": "r" * 70_000, "content": "x"}]}),
+                 id="70k-char-role"),
+])
+def test_an_error_message_never_echoes_a_large_input(server: Any, path: str, body: dict[str, Any]) -> None:
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        response = client.post(path, json=body)
+    assert_refused_plainly(response, 422, "invalid_request")
+    assert len(response.content) < MAX_MESSAGE_CHARS + 100, len(response.content)
+
+
+def test_a_404_never_echoes_a_long_id(server: Any) -> None:
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        response = client.get("/v1/streams/" + "a" * 30_000 + "/events")
+    assert_refused_plainly(response, 404, "not_found")
+    assert len(response.content) < 400, len(response.content)
+
+
+def test_clip_cuts_an_echoed_value_short_and_keeps_it_encodable() -> None:
+    assert clip("short") == "short"
+    assert clip("x" * 1000) == "x" * 64 + "…"
+    assert clip("\ud800abc").encode("utf-8") == b"\\ud800abc"
+
+
+@pytest.mark.parametrize("path, fields, name", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"n": 2}, "n"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
+    ("/v1/completions", {"logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"best_of": 2}, "best_of"),
+    ("/v1/completions", {"suffix": "end"}, "suffix"),
+])
+def test_an_openai_option_this_server_does_not_support_is_refused_by_name(
+        server: Any, path: str, fields: dict[str, Any], name: str) -> None:
+    body = chat_body(fields) if path.endswith("chat/completions") else {"prompt": "x", "max_tokens": 2, **fields}
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        error = assert_refused_plainly(client.post(path, json=body), 422, "invalid_request")
+    assert name in error["message"] and "not supported" in error["message"]
+
+
+def test_the_default_values_of_unsupported_options_are_accepted(server: Any) -> None:
+    defaults = {"response_format": {"type": "text"}, "top_logprobs": None, "logprobs": False, "n": 1,
+                "tools": [], "tool_choice": "none", "presence_penalty": 0, "logit_bias": {}}
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        assert client.post("/v1/chat/completions", json=chat_body(defaults)).status_code == 200
+
+
+def test_chat_messages_are_bounded_in_number(server: Any) -> None:
+    body = chat_body({"messages": [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1)})
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        error = assert_refused_plainly(client.post("/v1/chat/completions", json=body), 422, "invalid_request")
+    assert "messages" in error["message"]
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("path", ["/v1/generate", "/v1/completions"])
+def test_a_temperature_or_top_p_that_float32_rounds_to_zero_is_served_greedily(
+        server: Any, path: str, field: str) -> None:
+    # 5e-324 once divided by zero inside the step and ended every open stream with internal_error.
+    body = {"prompt": "Hello", "max_new_tokens" if path == "/v1/generate" else "max_tokens": 4}
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        tiny = client.post(path, json={**body, "temperature": 1.0, field: 5e-324})
+        greedy = client.post(path, json={**body, "temperature": 0})
+    assert tiny.status_code == 200, tiny.text
+    assert tiny.json()["usage"] == greedy.json()["usage"]
+    text = (lambda r: r.json()["text"] if path == "/v1/generate" else r.json()["choices"][0]["text"])
+    assert text(tiny) == text(greedy)

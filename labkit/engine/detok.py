@@ -6,9 +6,12 @@ a sequence it pushes ``detok.flush()`` through the matcher and then emits ``matc
 """
 from __future__ import annotations
 
+import re
+from collections import deque
+from functools import lru_cache
 from typing import NamedTuple, Protocol, Sequence
 
-__all__ = ["IncrementalDetokenizer", "StopMatcher", "StopResult"]
+__all__ = ["IncrementalDetokenizer", "StopAutomaton", "StopMatcher", "StopResult"]
 
 REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 4  # ids kept before the unsent text, so each decode sees a token's neighbour
@@ -113,6 +116,10 @@ class StopMatcher:
     wins (earliest end; on a tie, earliest start): the answer does not depend on how the text was
     cut into deltas, and the stream never waits for more text once a stop string is complete.
     The text before the match is released; the stop string and anything after it never are.
+
+    Matching walks an Aho-Corasick automaton (:class:`StopAutomaton`) one character at a time, so
+    a delta costs the same whether a request has one stop string or thousands; the automaton is
+    built once per distinct set of stops and shared.
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
@@ -121,7 +128,8 @@ class StopMatcher:
         for stop in stops:
             if not isinstance(stop, str) or stop == "":
                 raise ValueError(f"stop strings must be non-empty str, got {stop!r}")
-        self._stops = tuple(stops)
+        self._automaton = StopAutomaton.of(tuple(stops))
+        self._state = 0  # the automaton's node for the held text
         self._held = ""
         self.stopped = False
 
@@ -129,32 +137,101 @@ class StopMatcher:
         if self.stopped:
             return StopResult("", True)
         buffer = self._held + text
-        cut = self._first_match(buffer)
-        if cut is not None:
+        state, goto, matched = self._automaton.walk(self._state, text)
+        if matched:
+            end = len(self._held) + goto  # ``goto`` is the index in ``text`` of the match's last char
             self._held, self.stopped = "", True
-            return StopResult(buffer[:cut], True)
-        hold = self._hold_length(buffer)
+            return StopResult(buffer[: end + 1 - matched], True)
+        self._state = state
+        hold = self._automaton.depth[state]
         self._held = buffer[len(buffer) - hold :]
         return StopResult(buffer[: len(buffer) - hold], False)
 
     def flush(self) -> str:
         """End of sequence without a stop: release what was held back."""
-        held, self._held = self._held, ""
+        held, self._held, self._state = self._held, "", 0
         return held
 
-    def _first_match(self, buffer: str) -> int | None:
-        """Start of the stop string that ends earliest in ``buffer``, or ``None``."""
-        best: tuple[int, int] | None = None
-        for stop in self._stops:
-            start = buffer.find(stop)
-            if start >= 0 and (best is None or (start + len(stop), start) < best):
-                best = (start + len(stop), start)
-        return None if best is None else best[1]
 
-    def _hold_length(self, buffer: str) -> int:
-        longest = max((len(s) for s in self._stops), default=0)
-        for size in range(min(len(buffer), longest - 1), 0, -1):
-            tail = buffer[-size:]
-            if any(stop.startswith(tail) for stop in self._stops):
-                return size
-        return 0
+class StopAutomaton:
+    """An Aho-Corasick automaton over a set of stop strings (node 0 is the root).
+
+    A node stands for a prefix of some stop string; ``depth`` is its length, and ``match`` is the
+    length of the longest stop string that ends there (0 for none). Walking the text keeps the
+    longest suffix of what was read that is still a prefix of a stop: exactly the text to hold.
+    Edges live in one dict keyed by ``node * 0x110000 + ord(char)`` (small, and no tuple per step);
+    from the root, a regex skips to the next character that can start a stop at C speed.
+    """
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.edges: dict[int, int] = {}
+        self.depth, self.match, self.fail = [0], [0], [0]
+        children: list[list[tuple[str, int]]] = [[]]
+        for stop in stops:
+            self._insert(stop, children)
+        self._link(children)
+        self._start = re.compile("[" + "".join(re.escape(c) for c, _ in children[0]) + "]") if children[0] else None
+
+    @classmethod
+    def of(cls, stops: tuple[str, ...]) -> StopAutomaton:
+        return _automaton(stops)
+
+    def _insert(self, stop: str, children: list[list[tuple[str, int]]]) -> None:
+        node = 0
+        for char in stop:
+            child = self.edges.get(node * _CODEPOINTS + ord(char))
+            if child is None:
+                child = len(self.depth)
+                self.edges[node * _CODEPOINTS + ord(char)] = child
+                children[node].append((char, child))
+                children.append([])
+                self.depth.append(self.depth[node] + 1)
+                self.match.append(0)
+                self.fail.append(0)
+            node = child
+        self.match[node] = len(stop)
+
+    def _link(self, children: list[list[tuple[str, int]]]) -> None:
+        """Breadth first: each node's failure link, and the longest stop that ends at it."""
+        queue = deque(child for _, child in children[0])
+        while queue:
+            node = queue.popleft()
+            for char, child in children[node]:
+                queue.append(child)
+                self.fail[child] = self.step(self.fail[node], char)
+                if not self.match[child]:
+                    self.match[child] = self.match[self.fail[child]]
+
+    def step(self, state: int, char: str) -> int:
+        code = ord(char)
+        while True:
+            found = self.edges.get(state * _CODEPOINTS + code)
+            if found is not None:
+                return found
+            if state == 0:
+                return 0
+            state = self.fail[state]
+
+    def walk(self, state: int, text: str) -> tuple[int, int, int]:
+        """``(state, index, length)`` of the first stop completed in ``text`` read from ``state``;
+        ``(state, -1, 0)`` after the whole text when none is."""
+        index, size = 0, len(text)
+        while index < size:
+            if state == 0:
+                found = self._start.search(text, index) if self._start is not None else None
+                if found is None:
+                    return 0, -1, 0
+                index = found.start()
+            state = self.step(state, text[index])
+            if self.match[state]:
+                return state, index, self.match[state]
+            index += 1
+        return state, -1, 0
+
+
+_CODEPOINTS = 0x110000
+
+
+@lru_cache(maxsize=32)
+def _automaton(stops: tuple[str, ...]) -> StopAutomaton:
+    return StopAutomaton(stops)

@@ -20,9 +20,9 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from labkit.service import lab, openai, resume, streaming
+from labkit.service import lab, openai, openapi, resume, streaming
 from labkit.service.config import ServiceConfig
 from labkit.service.errors import BodyLimit, error_response, install_error_handlers
 from labkit.service.guards import HostGuard, RetryAfterOn503
@@ -60,7 +60,7 @@ def _add_operations(app: FastAPI) -> None:
     async def stats(request: Request) -> dict[str, Any]:
         return request.app.state.service.stats().as_dict()
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses=openapi.HEALTH)
     async def healthz(request: Request) -> Response:
         service: Service = request.app.state.service
         if service.hub.draining:
@@ -69,7 +69,7 @@ def _add_operations(app: FastAPI) -> None:
             return error_response(503, "internal_error", "the step thread is not running")
         return JSONResponse({"status": "ok", "model": service.model_name})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         body, media_type = request.app.state.service.metrics.render()
         return Response(body, media_type=media_type)

@@ -4,9 +4,16 @@ FastAPI's own 422 (``{"detail": [...]}``) and Starlette's 404/405 bodies are rep
 same envelope, so a client handles a refused request one way whatever refused it. The types a
 stream can also carry in-band come from :data:`labkit.schema.ERROR_TYPES`; a few that only an
 HTTP status can carry (``not_found``, ``gone``, ...) are added here.
+
+A refusal never quotes a client's input at length (values are cut by :func:`labkit.schema.clip`,
+messages by the envelope, and a validation error lists at most :data:`MAX_PROBLEMS` problems),
+and a failure that is not a refusal says ``internal error`` and nothing else: exception names
+and messages go to the log, not to the client (:mod:`labkit.service.openapi` documents the
+envelope for each route's statuses).
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,10 +25,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from labkit.errors import InvalidRequest, LabkitError, PromptTooLong, QueueFull
 from labkit.hub import Draining
-from labkit.schema import ERROR_TYPES, error_envelope
+from labkit.schema import ERROR_TYPES, clip, error_envelope
 
 HTTP_ONLY_TYPES = frozenset({"not_found", "gone", "method_not_allowed", "payload_too_large", "http_error",
                              "request_timeout", "over_capacity", "invalid_host"})
+INTERNAL = "internal error"  # all a client learns of a failure that is not its fault
+MAX_PROBLEMS = 5  # validation problems listed in one message; the rest are counted
 
 
 class ServiceError(LabkitError):
@@ -33,11 +42,13 @@ class ServiceError(LabkitError):
 
 
 def envelope(type: str, message: str) -> dict[str, Any]:
-    if type in ERROR_TYPES:
-        return error_envelope(type, message)
-    if type not in HTTP_ONLY_TYPES:
-        raise ValueError(f"unknown error type {type!r}")
-    return {"error": {"type": type, "message": message}}
+    return error_envelope(type, message, ERROR_TYPES | HTTP_ONLY_TYPES)
+
+
+def public_message(type: str, message: str) -> str:
+    """What a client may read of an error: an ``internal_error``'s own message (an exception's
+    name and text, from the step thread) stays in the log."""
+    return INTERNAL if type == "internal_error" else message
 
 
 def error_response(status: int, type: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -89,19 +100,31 @@ def as_service_error(exc: Exception, retry_after_s: int = 1) -> ServiceError:
         return ServiceError(429, "queue_full", str(exc), {"Retry-After": str(retry_after_s)})
     if isinstance(exc, Draining):
         return ServiceError(503, "draining", str(exc), {"Retry-After": str(retry_after_s)})
-    return ServiceError(500, "internal_error", f"{type(exc).__name__}: {exc}")
+    return ServiceError(500, "internal_error", INTERNAL)
 
 
 def describe_validation(exc: RequestValidationError) -> str:
-    """One readable line per problem: ``body.max_new_tokens: Input should be a valid integer``."""
-    parts = []
-    for err in exc.errors():
-        if err.get("type") == "json_invalid":
-            parts.append(f"invalid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
-            continue
-        where = ".".join(str(p) for p in err.get("loc", ()))
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    """One readable line per problem: ``body.max_new_tokens: Input should be a valid integer``;
+    the first :data:`MAX_PROBLEMS` of them, each place cut short (a key can be the client's)."""
+    errors = list(exc.errors())
+    parts = list(dict.fromkeys(_problem(err) for err in errors[:MAX_PROBLEMS]))  # union branches repeat
+    if len(errors) > MAX_PROBLEMS:
+        parts.append(f"and {len(errors) - MAX_PROBLEMS} more problems")
     return "; ".join(parts) or "invalid request"
+
+
+# Places pydantic adds for the branches of a union and for validator functions: internal names
+# (``function-after[functools.partial(<function ...>)]``), not places in the body.
+_BRANCH = re.compile(r"^(function-\w+\[.*|constrained-\w+|json-or-python\[.*|lax-or-strict\[.*|"
+                     r"(str|int|float|bool|none|is-instance|literal|list|dict|tuple|union)(\[.*\])?)$")
+
+
+def _problem(err: Any) -> str:
+    if err.get("type") == "json_invalid":
+        return f"invalid JSON: {clip(err.get('ctx', {}).get('error', err.get('msg')), 120)}"
+    where = ".".join(clip(p) for p in err.get("loc", ()) if not (isinstance(p, str) and _BRANCH.match(p)))
+    message = clip(err.get("msg"), 120)
+    return f"{where}: {message}" if where else message
 
 
 def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
@@ -113,12 +136,14 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         return error_response(err.status, err.type, err.message, err.headers)
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # FastAPI's "error parsing the body" (not UTF-8): invalid JSON, like any other
+            return error_response(422, "invalid_request", "invalid JSON: the body is not JSON text in UTF-8")
         kind = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code, "http_error")
         return error_response(exc.status_code, kind, str(exc.detail), getattr(exc, "headers", None))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         # A bug, not a refusal: still answered in the envelope (Starlette logs the traceback).
-        return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
+        return error_response(500, "internal_error", INTERNAL)
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(LabkitError, on_labkit)

@@ -13,6 +13,7 @@ from typing import AsyncIterator
 from labkit.engine.events import FinishEvent, TokenEvent
 from labkit.hub.stream import Item, Stream, StreamClosed
 from labkit.schema import StreamEncoder
+from labkit.service.errors import public_message
 from labkit.sse import sse_comment
 
 TERMINAL = frozenset({"done", "error"})
@@ -39,7 +40,7 @@ def start_frame(encoder: StreamEncoder, request_id: str, model: str, prompt_toke
 
 def encode_item(encoder: StreamEncoder, item: Item) -> Frame:
     """A token, a done (or an ``error`` of type ``cancelled`` for a cancel nobody on this side
-    asked for), or the hub's terminal error."""
+    asked for), or the hub's terminal error (an internal one says only ``internal error``)."""
     if isinstance(item, TokenEvent):
         data, kind = encoder.token(item.index, item.token_id, item.text), "token"
     elif isinstance(item, FinishEvent) and item.reason != "cancelled":
@@ -47,7 +48,7 @@ def encode_item(encoder: StreamEncoder, item: Item) -> Frame:
     elif isinstance(item, FinishEvent):
         data, kind = encoder.error("cancelled", "the request was cancelled in the engine"), "error"
     else:
-        data, kind = encoder.error(item.type, item.message), "error"
+        data, kind = encoder.error(item.type, public_message(item.type, item.message)), "error"
     return Frame(kind, data, encoder.last_id)
 
 

@@ -31,6 +31,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 from starlette.types import Message, Send
 
+from labkit.schema import clip
 from labkit.service.errors import ServiceError
 from labkit.service.responses import SSE_HEADERS, SSE_MEDIA_TYPE, ClosingStreamingResponse
 from labkit.service.streaming import Number, service_of
@@ -51,7 +52,7 @@ async def all_records(request: Request) -> dict[str, Any]:
 async def one_record(request: Request, request_id: str) -> dict[str, Any]:
     record = service_of(request).hub.record(request_id)
     if record is None:
-        raise ServiceError(404, "not_found", f"no record of stream {request_id!r}")
+        raise ServiceError(404, "not_found", f"no record of stream {clip(request_id)!r}")
     return record.as_dict()
 
 
@@ -146,7 +147,7 @@ async def flood(body: FloodRequest, request: Request) -> FloodResponse:
     service = service_of(request)
     flood_id = body.flood_id or uuid.uuid4().hex[:12]
     if flood_id in service.floods:
-        raise ServiceError(422, "invalid_request", f"flood_id {flood_id!r} is already in use")
+        raise ServiceError(422, "invalid_request", f"flood_id {clip(flood_id)!r} is already in use")
     record = FloodRecord(flood_id, body.event_bytes, body.count, body.block_threshold)
     service.remember_flood(flood_id, record)
     headers = {**SSE_HEADERS, "X-Flood-ID": flood_id}
@@ -157,5 +158,5 @@ async def flood(body: FloodRequest, request: Request) -> FloodResponse:
 async def flood_result(request: Request, flood_id: str) -> dict[str, Any]:
     record = service_of(request).floods.get(flood_id)
     if record is None:
-        raise ServiceError(404, "not_found", f"no flood {flood_id!r}")
+        raise ServiceError(404, "not_found", f"no flood {clip(flood_id)!r}")
     return asdict(record)

@@ -6,9 +6,12 @@ then ``data: [DONE]``; with ``stream_options.include_usage`` every chunk carries
 and one last chunk with empty ``choices`` carries the usage. An error after the first byte is a
 ``data: {"error": {...}}`` chunk (the client raises ``APIError`` on it), then ``[DONE]``.
 
-Departures, on purpose: one choice only (``n`` > 1, ``best_of``, ``echo``, ``logprobs``,
-penalties, ``logit_bias`` and tools are refused with 422 rather than ignored, so a client never
-receives something other than what it asked for); the ``model`` field is accepted whatever it
+Departures, on purpose: one choice, plain text, no tools. ``n`` > 1, ``best_of``, ``echo``,
+``suffix``, ``logprobs``/``top_logprobs``, penalties, ``logit_bias``, a ``response_format`` other
+than text, tools, ``tool_choice``/``functions`` that could call one, and ``tool`` messages are
+refused with 422 naming the field, rather than ignored, so a client never receives something
+other than what it asked for; each accepts its "off" value (``n: 1``, ``tools: []``, ...), and
+the OpenAPI schema says exactly that. The ``model`` field is accepted whatever it
 says and the answer names the model actually served. Unknown fields are ignored, as OpenAI's
 own SDKs send many. ``temperature`` defaults to 1, OpenAI's default; pass 0 for greedy.
 """
@@ -16,20 +19,26 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, AsyncIterator, Literal
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from labkit.engine.events import FinishEvent, TokenEvent
 from labkit.hub.stream import Stream
 from labkit.schema import error_envelope
-from labkit.service.errors import ServiceError
+from labkit.service.errors import public_message
 from labkit.service.frames import PING, items, padding
+from labkit.service.intake import (
+    MAX_CONTENT_PARTS, MAX_MESSAGES, Count, Number, Prompt, Seed, Stop, Text, TokenId, accepting,
+    chat_ids, greedy_if_tiny, prompt_ids,
+)
+from labkit.service.openapi import OPENAI_ANSWER
 from labkit.service.responses import sse_response
 from labkit.service.state import Service
-from labkit.service.streaming import Number, collect_whole, service_of
+from labkit.service.streaming import collect_whole, service_of
 from labkit.sse import ServerSentEvent
 
 router = APIRouter()
@@ -41,96 +50,86 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+
+
 class _Sampling(BaseModel):
+    """What both routes share. Each option this server does not support accepts only its "off"
+    values (see :func:`accepting`), so the schema says what is served and a refusal names it."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    temperature: Number | None = Field(None, ge=0, le=2)
-    top_p: Number | None = Field(None, gt=0, le=1)
-    n: StrictInt | None = None
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    n: Annotated[Literal[1] | None, accepting(1)] = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
+    stop: Stop = None
+    seed: Seed | None = None
     ignore_eos: StrictBool = False  # not OpenAI's; vLLM and llama.cpp's server accept it too
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
-    logit_bias: dict[str, Any] | None = None
-
-    def refuse_unsupported(self) -> None:
-        checks = {"n": self.n not in (None, 1), "presence_penalty": bool(self.presence_penalty),
-                  "frequency_penalty": bool(self.frequency_penalty), "logit_bias": bool(self.logit_bias)}
-        checks.update(self._extra_unsupported())
-        bad = [name for name, refused in checks.items() if refused]
-        if bad:
-            raise ServiceError(422, "invalid_request", f"not supported by this server: {', '.join(bad)}")
-
-    def _extra_unsupported(self) -> dict[str, bool]:
-        return {}
+    presence_penalty: Annotated[Annotated[float, Field(ge=0, le=0)] | None, accepting(0)] = None
+    frequency_penalty: Annotated[Annotated[float, Field(ge=0, le=0)] | None, accepting(0)] = None
+    logit_bias: Annotated[Annotated[dict[str, Any], Field(max_length=0)] | None, accepting({})] = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(16, ge=1)
-    echo: StrictBool | None = False
-    logprobs: StrictInt | None = None
-    best_of: StrictInt | None = None
-    suffix: StrictStr | None = None
+    prompt: (Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=1)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)])
+    max_tokens: Count | None = 16
+    echo: Annotated[Literal[False] | None, accepting(False)] = False
+    logprobs: Annotated[None, accepting()] = None
+    best_of: Annotated[Literal[1] | None, accepting(1)] = None
+    suffix: Annotated[Literal[""] | None, accepting("")] = None
 
-    def _extra_unsupported(self) -> dict[str, bool]:
-        return {"echo": bool(self.echo), "logprobs": self.logprobs is not None,
-                "best_of": self.best_of not in (None, 1), "suffix": bool(self.suffix)}
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: StrictStr
-    content: StrictStr | list[dict[str, Any]] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    logprobs: StrictBool | None = False
-    tools: list[Any] | None = None
-
-    def _extra_unsupported(self) -> dict[str, bool]:
-        return {"logprobs": bool(self.logprobs), "tools": bool(self.tools)}
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
+    logprobs: Annotated[Literal[False] | None, accepting(False)] = False
+    top_logprobs: Annotated[Literal[0] | None, accepting(0)] = None
+    response_format: Annotated[TextFormat | None, accepting({"type": "text"})] = None
+    tools: Annotated[Annotated[list[Any], Field(max_length=0)] | None, accepting([])] = None
+    tool_choice: Annotated[Literal["none", "auto"] | None, accepting("none", "auto")] = None
+    functions: Annotated[Annotated[list[Any], Field(max_length=0)] | None, accepting([])] = None
+    function_call: Annotated[Literal["none", "auto"] | None, accepting("none", "auto")] = None
 
 
 # -- prompts -----------------------------------------------------------------------------------
-def completion_prompt_ids(service: Service, prompt: Any) -> list[int]:
+async def completion_prompt_ids(service: Service, prompt: Any) -> list[int]:
+    """A text, one text in a list, token ids, or one list of token ids (the schema allows no more)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+        prompt = prompt[0]
     if isinstance(prompt, str):
-        return service.encode(prompt)
-    if prompt and all(isinstance(t, int) for t in prompt):
-        return list(prompt)
-    if len(prompt) != 1:
-        raise ServiceError(422, "invalid_request", "exactly one prompt per request is supported")
-    return service.encode(prompt[0]) if isinstance(prompt[0], str) else list(prompt[0])
+        return await prompt_ids(service.engine, prompt)
+    return list(prompt)  # the engine checks the ids against the vocabulary and the context
 
 
 def message_text(message: ChatMessage) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
-    parts = []
-    for part in message.content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ServiceError(422, "invalid_request", "only text content parts are supported")
-        parts.append(part["text"])
-    return "".join(parts)
+    return "".join(part.text for part in message.content)
 
 
-def chat_prompt_ids(service: Service, messages: list[ChatMessage]) -> list[int]:
+async def chat_prompt_ids(service: Service, messages: list[ChatMessage]) -> list[int]:
     """The tokenizer's chat template when it has one; otherwise ``role: text`` lines."""
-    turns = [{"role": m.role, "content": message_text(m)} for m in messages]
-    tokenizer = service.engine.tokenizer
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        return [int(t) for t in ids]
-    text = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
-    return service.encode(text)
+    return await chat_ids(service.engine, [{"role": m.role, "content": message_text(m)} for m in messages])
 
 
 # -- routes ----------------------------------------------------------------------------------
@@ -140,19 +139,17 @@ async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "labkit"}]}
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", response_class=Response, responses=OPENAI_ANSWER)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     service = service_of(request)
-    body.refuse_unsupported()
-    ids = completion_prompt_ids(service, body.prompt)
+    ids = await completion_prompt_ids(service, body.prompt)
     return await answer(request, service, body, ids, body.max_tokens or 16, "completion")
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", response_class=Response, responses=OPENAI_ANSWER)
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     service = service_of(request)
-    body.refuse_unsupported()
-    ids = chat_prompt_ids(service, body.messages)
+    ids = await chat_prompt_ids(service, body.messages)
     room = service.engine.max_context - len(ids)
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, min(service.config.default_max_tokens, room))
     return await answer(request, service, body, ids, max_tokens, "chat")
@@ -163,10 +160,10 @@ Kind = Literal["completion", "chat"]
 
 async def answer(request: Request, service: Service, body: _Sampling, ids: list[int], max_tokens: int,
                  kind: Kind) -> Response:
-    temperature = 1.0 if body.temperature is None else body.temperature
+    temperature, top_p = greedy_if_tiny(1.0 if body.temperature is None else body.temperature,
+                                        1.0 if body.top_p is None else body.top_p)
     stream = service.open(ids, max_new_tokens=max_tokens, stop=body.stop, temperature=temperature,
-                          top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
-                          ignore_eos=body.ignore_eos)
+                          top_p=top_p, seed=body.seed, ignore_eos=body.ignore_eos)
     shape = Shape(kind, stream.rid, service.model_name, len(ids))
     headers = {"X-Request-ID": stream.rid}
     if body.stream:
@@ -247,7 +244,7 @@ async def stream_chunks(service: Service, stream: Stream, shape: Shape, include_
             else:
                 kind, message = ("cancelled", "the request was cancelled") if isinstance(item, FinishEvent) \
                     else (item.type, item.message)
-                yield _data(error_envelope(kind, message))
+                yield _data(error_envelope(kind, public_message(kind, message)))
         if ended:  # a stream closed under us (forced shutdown) must not look complete
             yield _data("[DONE]")
     finally:

@@ -34,7 +34,8 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response
 
 from labkit.hub import Hub, Stream
-from labkit.schema import StreamEncoder
+from labkit.schema import StreamEncoder, clip
+from labkit.service import openapi
 from labkit.service.errors import ServiceError
 from labkit.service.frames import PING, Frame, frames, wire_bytes
 from labkit.service.responses import sse_response
@@ -101,7 +102,7 @@ class ResumeRegistry:
         """The log of ``rid`` if ``token`` is its resume token; else the 404 an unknown id gets."""
         log = self._logs.get(rid)
         if log is None or token is None or not _same(token, log.token):
-            raise ServiceError(404, "not_found", f"no resumable stream {rid[:64]!r} (unknown, or expired)")
+            raise ServiceError(404, "not_found", f"no resumable stream {clip(rid)!r} (unknown, or expired)")
         return log
 
     def start(self, stream: Stream, prompt_tokens: int) -> EventLog:
@@ -212,7 +213,7 @@ def parse_cursor(last_event_id: str | None, after: str | None) -> int:
     return int(digits)
 
 
-@router.get("/v1/streams/{request_id}/events")
+@router.get("/v1/streams/{request_id}/events", response_class=Response, responses=openapi.RESUME)
 async def resume_events(request: Request, request_id: str,
                         last_event_id: str | None = Header(default=None),
                         x_resume_token: str | None = Header(default=None),

@@ -2,22 +2,26 @@
 
 Both validate the body, tokenize and submit before anything is sent, so every refusal is a
 plain JSON error with its own status; only then does a stream start. Both answer with the same
-request id, text, usage and finish reason for the same request.
+request id, text, usage and finish reason for the same request. What a body may hold, and how
+its prompt is tokenized off the event loop, is :mod:`labkit.service.intake`'s.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any, AsyncIterator, Awaitable, TypeVar
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from labkit.engine.events import FinishEvent, TokenEvent
 from labkit.hub.stream import Stream, StreamClosed, StreamError
 from labkit.schema import StreamEncoder
-from labkit.service.errors import ServiceError
+from labkit.service.errors import ServiceError, public_message
 from labkit.service.frames import frames, start_frame, wire_bytes
+from labkit.service.intake import Count, Number, Prompt, Seed, Stop, greedy_if_tiny, prompt_ids
+from labkit.service.openapi import BODY_REFUSALS, LAB_STREAM
 from labkit.service.responses import sse_response
 from labkit.service.state import Service
 
@@ -26,51 +30,55 @@ T = TypeVar("T")
 _ERROR_STATUS = {"shutdown": 503, "draining": 503, "slow_client": 503, "cancelled": 503, "queue_timeout": 503}
 
 
-def _number(value: Any) -> Any:
-    """Accept JSON numbers only: no "0.5" strings, no booleans (pydantic's lax mode takes both)."""
-    if isinstance(value, (str, bool)):
-        raise ValueError("must be a number")
-    return value
-
-
-Number = Annotated[float, BeforeValidator(_number)]
-
-
 class GenerateRequest(BaseModel):
     """Unknown fields are refused: a typo such as ``max_tokens`` should not be silently ignored."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: StrictStr
-    max_new_tokens: StrictInt = Field(64, ge=1)
-    stop: StrictStr | list[StrictStr] | None = None
+    prompt: Prompt
+    max_new_tokens: Count = 64
+    stop: Stop = None
     temperature: Number = Field(0.0, ge=0)
     top_p: Number = Field(1.0, gt=0, le=1)
-    seed: StrictInt | None = None
+    seed: Seed | None = None
     ignore_eos: StrictBool = False
+
+
+class StreamRequest(GenerateRequest):
+    """``resumable`` only here: a JSON answer has no stream to resume."""
+
     resumable: StrictBool = False
+
+
+class GenerateResponse(BaseModel):
+    request_id: str
+    model: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: dict[str, int]
 
 
 def service_of(request: Request) -> Service:
     return request.app.state.service
 
 
-def open_stream(service: Service, body: GenerateRequest) -> tuple[Stream, int]:
-    ids = service.encode(body.prompt)
+async def open_stream(service: Service, body: GenerateRequest) -> tuple[Stream, int]:
+    ids = await prompt_ids(service.engine, body.prompt)
+    temperature, top_p = greedy_if_tiny(body.temperature, body.top_p)
     stream = service.open(ids, max_new_tokens=body.max_new_tokens, stop=body.stop,
-                          temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                          ignore_eos=body.ignore_eos)
+                          temperature=temperature, top_p=top_p, seed=body.seed, ignore_eos=body.ignore_eos)
     return stream, len(ids)
 
 
-@router.post("/v1/stream")
-async def post_stream(body: GenerateRequest, request: Request) -> Response:
+@router.post("/v1/stream", response_class=Response, responses=LAB_STREAM)
+async def post_stream(body: StreamRequest, request: Request) -> Response:
     service = service_of(request)
     capacity = service.config.resume_log_events
     if body.resumable and body.max_new_tokens + 2 > capacity:
         raise ServiceError(422, "invalid_request",
                            f"a resumable stream of {body.max_new_tokens} tokens does not fit the {capacity}-event log")
-    stream, prompt_tokens = open_stream(service, body)
+    stream, prompt_tokens = await open_stream(service, body)
     kind = service.config.response_class
     if body.resumable:
         log = service.resume.start(stream, prompt_tokens)
@@ -91,12 +99,10 @@ async def stream_body(service: Service, stream: Stream, prompt_tokens: int) -> A
         service.hub.close(stream)
 
 
-@router.post("/v1/generate")
+@router.post("/v1/generate", response_model=GenerateResponse, responses=BODY_REFUSALS)
 async def post_generate(body: GenerateRequest, request: Request) -> Response:
     service = service_of(request)
-    if body.resumable:
-        raise ServiceError(422, "invalid_request", "resumable applies to /v1/stream only")
-    stream, _ = open_stream(service, body)
+    stream, _ = await open_stream(service, body)
     result = await collect_whole(request, service, stream)
     if result is None:
         return Response(status_code=499)
@@ -123,7 +129,7 @@ async def collect(stream: Stream) -> dict[str, Any]:
             kind, message = ("cancelled", "the request was cancelled") if isinstance(item, FinishEvent) \
                 else (item.type, item.message)
             assert isinstance(item, (FinishEvent, StreamError))
-            raise ServiceError(_ERROR_STATUS.get(kind, 500), kind, message)
+            raise ServiceError(_ERROR_STATUS.get(kind, 500), kind, public_message(kind, message))
 
 
 async def collect_whole(request: Request, service: Service, stream: Stream) -> dict[str, Any] | None:

@@ -1,0 +1,228 @@
+"""What a request body may contain, and how its prompt becomes token ids without stalling anyone.
+
+Every route's body model is built from the types here, so the limits are written once and the
+OpenAPI schema states them (pydantic turns each constraint into both a check and a schema rule):
+
+* text is valid Unicode: a JSON escape such as ``"\\ud800"`` (a lone surrogate) parses, but no
+  tokenizer can take it, so it is refused as the client's fault (422), never a 500;
+* at most :data:`MAX_STOP_STRINGS` stop strings of 1 to :data:`MAX_STOP_CHARS` characters. An
+  empty stop string is refused in every shape (``""`` as well as ``[""]``): it occurs at every
+  position, so taken literally it would end the answer before its first token, and reading it
+  as "no stop" in one shape but not the other was the inconsistency. "No stop" is ``null``,
+  ``[]`` or leaving the field out;
+* at most :data:`MAX_MESSAGES` chat messages, of :data:`MAX_CONTENT_PARTS` text parts each.
+
+Then the prompt, in order of cost: a prompt whose length in characters could not fit the
+model's context is refused before any tokenizer sees it (:class:`PromptLimits`), and only then is
+it tokenized, or the chat template applied, in a thread of its own if it is long
+(:func:`off_loop`). On the event loop a 1 MiB prompt held every other stream's writes for
+0.6-1.8 s.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
+
+from pydantic import AfterValidator, BeforeValidator, Field, Strict, StrictStr
+from pydantic_core import PydanticCustomError
+
+from labkit.errors import InvalidRequest, PromptTooLong
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 256
+MAX_CONTENT_PARTS = 64
+NO_BOUND = 1 << 20  # characters per token when the vocabulary cannot be read: the body limit rules
+INLINE_CHARS = 2048  # prompts up to this long are tokenized in place (a few ms at most)
+TINY = 1e-38  # below float32's smallest normal: a temperature or top_p this small samples greedily
+
+T = TypeVar("T")
+
+
+def _unicode(text: str) -> str:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise PydanticCustomError("invalid_unicode", "must be valid Unicode text (it holds a lone surrogate)") from None
+    return text
+
+
+def _integer(value: Any) -> Any:
+    """JSON numbers with no fraction: ``5`` and ``5.0`` (JSON Schema's ``integer`` is both), no
+    "5", no ``true``."""
+    if isinstance(value, (str, bool)):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return value
+
+
+Text = Annotated[StrictStr, AfterValidator(_unicode)]
+Prompt = Annotated[Text, Field(min_length=1)]
+StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None
+# Constraints come before a validator in each Annotated: after one, pydantic still checks them
+# but leaves them out of the JSON schema (it writes "ge" where JSON Schema says "minimum").
+Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]  # a JSON number: no "0.5", no true
+NoFraction = BeforeValidator(_integer)
+Integer = Annotated[int, NoFraction]
+Count = Annotated[int, Field(ge=1), NoFraction]
+TokenId = Annotated[int, Field(ge=0), NoFraction]
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**64), NoFraction]  # what torch.Generator takes
+
+
+def accepting(*allowed: Any) -> BeforeValidator:
+    """For an option this server does not support: only ``null`` and ``allowed`` (its "off" values)
+    pass; anything else is refused with a message that says so (the field's place names it)."""
+    shown = ", ".join(["null", *(_show(a) for a in allowed)])
+
+    def check(value: Any) -> Any:
+        if value is None or any(_same(value, a) for a in allowed):
+            return value
+        raise PydanticCustomError("unsupported", "not supported by this server (accepted: {accepted})",
+                                  {"accepted": shown})
+
+    return BeforeValidator(check)
+
+
+def _same(value: Any, allowed: Any) -> bool:
+    if isinstance(value, bool) or isinstance(allowed, bool):  # False is not 0 here
+        return type(value) is type(allowed) and value == allowed
+    return bool(value == allowed)
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value)
+
+
+def greedy_if_tiny(temperature: float, top_p: float) -> tuple[float, float]:
+    """A temperature or top_p that float32 rounds to 0 would divide by zero inside the step: both
+    mean "only the most likely token", i.e. greedy, and are served as such."""
+    if 0 < temperature < TINY or top_p < TINY:
+        return 0.0, 1.0
+    return temperature, top_p
+
+
+# -- prompts -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PromptLimits:
+    """What a prompt's length in characters alone says about its length in tokens.
+
+    No token stands for more characters than the longest entry of the tokenizer's vocabulary
+    (byte-level BPE spells each byte as one character, SentencePiece each character as one), so
+    a prompt of more than ``max_context * chars_per_token`` characters cannot fit. Only a
+    tokenizer whose normalizer deletes characters could break that bound; none of the lab's does.
+    """
+
+    max_context: int
+    chars_per_token: int
+
+    @property
+    def max_chars(self) -> int:
+        return self.max_context * self.chars_per_token
+
+    @classmethod
+    def of(cls, tokenizer: Any, max_context: int) -> PromptLimits:
+        return cls(max_context, _longest_token(tokenizer))
+
+    def check_chars(self, chars: int) -> None:
+        if chars > self.max_chars:
+            raise PromptTooLong(f"a prompt of {chars} characters cannot fit the model's context of "
+                                f"{self.max_context} tokens (at most {self.max_chars} characters could)")
+
+
+def _longest_token(tokenizer: Any) -> int:
+    try:
+        return max(len(token) for token in tokenizer.get_vocab())
+    except (AttributeError, TypeError, ValueError):  # no vocabulary to read: no bound from characters
+        return NO_BOUND
+
+
+_LIMITS: weakref.WeakKeyDictionary[Any, PromptLimits] = weakref.WeakKeyDictionary()
+
+
+def limits_of(engine: Any) -> PromptLimits:
+    """The engine's :class:`PromptLimits`, read from its vocabulary once."""
+    limits = _LIMITS.get(engine)
+    if limits is None:
+        limits = _LIMITS[engine] = PromptLimits.of(engine.tokenizer, engine.max_context)
+    return limits
+
+
+async def off_loop(work: Callable[..., T], *args: Any, size: int) -> T:
+    """``work(*args)``, in a thread of its own when ``size`` (characters) is large enough to be
+    felt, so that the event loop keeps writing other streams meanwhile.
+
+    A short prompt is tokenized in place: a thread costs more than a millisecond of work. A thread
+    per large prompt, ended with its work, rather than a pool: a server that was only ever sent
+    short prompts runs no thread but the step thread, as before, and none outlives its work.
+    """
+    if size <= INLINE_CHARS:
+        return work(*args)
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not future.done():  # the request may have been cancelled meanwhile
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = work(*args)
+        except Exception as exc:  # noqa: BLE001 - handed to the awaiting request, raised there
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed first: nobody is waiting
+            pass
+
+    threading.Thread(target=run, name="labkit-tokenize", daemon=True).start()
+    return await future
+
+
+async def encode_text(encode: Callable[[str], Any], text: str) -> list[int]:
+    """``encode(text)`` off the loop; a tokenizer that refuses the text is the client's fault."""
+    try:
+        ids = await off_loop(encode, text, size=len(text))
+    except (TypeError, ValueError, UnicodeError) as exc:
+        raise InvalidRequest("the prompt could not be tokenized") from exc
+    return [int(t) for t in ids]
+
+
+async def prompt_ids(engine: Any, text: str) -> list[int]:
+    """Token ids of a text prompt: refused by its length first, then tokenized off the loop."""
+    limits_of(engine).check_chars(len(text))
+    return await encode_text(engine.tokenizer.encode, text)
+
+
+async def chat_ids(engine: Any, turns: list[dict[str, str]]) -> list[int]:
+    """The tokenizer's chat template when it has one, otherwise ``role: text`` lines; off the loop.
+
+    The template only adds text around the messages, so their characters bound the prompt from
+    below and the cheap check comes first here too. A template that refuses the messages (some
+    insist that roles alternate) is the client's fault: 422.
+    """
+    chars = sum(len(t["role"]) + len(t["content"]) for t in turns)
+    limits_of(engine).check_chars(chars)
+    tokenizer = engine.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        text = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
+        return await encode_text(tokenizer.encode, text)
+    from jinja2 import TemplateError
+
+    try:
+        ids = await off_loop(_apply_template, tokenizer, turns, size=chars)
+    except (TemplateError, TypeError, ValueError, KeyError, UnicodeError) as exc:
+        raise InvalidRequest("the model's chat template could not render these messages") from exc
+    return ids
+
+
+def _apply_template(tokenizer: Any, turns: list[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    return [int(t) for t in ids]

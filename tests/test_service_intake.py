@@ -1,0 +1,112 @@
+"""Work on the request path must not stall other streams: cheap limits first, tokenizing off the loop.
+
+A prompt is tokenized (and a chat templated) in a worker thread, and a prompt that cannot fit the
+model's context by its length in characters alone is refused before any tokenizer sees it.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from service_helpers import TIMEOUT, RawClient, lab_server
+
+from labkit.errors import InvalidRequest, PromptTooLong
+from labkit.service.intake import PromptLimits, encode_text
+
+HUGE = "hello " * 170_000  # 0.97 MiB: under the body limit, far over any context of the tiny models
+
+
+def token_gaps(server: Any, body: dict[str, Any], meanwhile: Any = None) -> list[float]:
+    """Seconds between the token events of one stream; ``meanwhile`` runs once its first token is in."""
+    client = RawClient(server.url).post("/v1/stream", body)
+    arrivals: list[float] = []
+    helper = None
+    while not client.ended:
+        count = len(client.events)
+        client.read_until(lambda count=count: len(client.events) > count)
+        arrivals += [time.perf_counter()] * (len(client.events) - count)
+        if meanwhile is not None and helper is None and len(client.events) >= 2:
+            helper = threading.Thread(target=meanwhile)
+            helper.start()
+    client.close_fin()
+    if helper is not None:
+        helper.join(TIMEOUT)
+    assert client.events[-1][0] == "done", client.events[-1]
+    return [b - a for a, b in itertools.pairwise(arrivals[1:-1])]
+
+
+def test_a_huge_prompt_is_refused_without_stalling_another_stream(tiny_gpt2: Any) -> None:
+    body = {"prompt": "Once upon a time,", "max_new_tokens": 150, "ignore_eos": True}
+    statuses: list[int] = []
+
+    def post_huge_prompts() -> None:
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+            for path, payload in [("/v1/generate", {"prompt": HUGE}), ("/v1/stream", {"prompt": HUGE}),
+                                  ("/v1/completions", {"prompt": HUGE}),
+                                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": HUGE}]})]:
+                statuses.append(client.post(path, json=payload).status_code)
+
+    with lab_server(tiny_gpt2) as server:
+        start = time.perf_counter()
+        server.engine.encode(HUGE[: len(HUGE) // 4])
+        stall = 4 * (time.perf_counter() - start)  # what tokenizing one such prompt on the loop costs
+        alone = max(token_gaps(server, body))
+        during = max(token_gaps(server, body, meanwhile=post_huge_prompts))
+    assert statuses == [422] * 4
+    # Before: each post held the loop for about ``stall`` (0.6-2 s), against a gap of ~15 ms alone.
+    assert during < max(4 * alone, stall / 2), (during, alone, stall)
+
+
+def test_a_prompt_longer_than_any_context_can_hold_is_refused_by_its_length(tiny_gpt2: Any) -> None:
+    limits = PromptLimits.of(tiny_gpt2.tokenizer, max_context=512)
+    longest = max(len(tiny_gpt2.tokenizer.decode([i])) for i in range(len(tiny_gpt2.tokenizer)))
+    assert limits.max_chars >= 512 * longest  # a bound, never a refusal of a prompt that fits
+    limits.check_chars(limits.max_chars)
+    with pytest.raises(PromptTooLong, match="characters"):
+        limits.check_chars(limits.max_chars + 1)
+
+
+def test_tokenizing_runs_off_the_event_loop(tiny_gpt2: Any) -> None:
+    text = "hello world " * 20_000
+    tokenizer = tiny_gpt2.tokenizer
+    start = time.perf_counter()
+    expected = tokenizer.encode(text)
+    inline = time.perf_counter() - start
+
+    async def main() -> tuple[list[int], float]:
+        gaps: list[float] = []
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.001)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        task = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0.01)
+        ids = await encode_text(tokenizer.encode, text)
+        done.set()
+        await task
+        return ids, max(gaps)
+
+    ids, gap = asyncio.run(main())
+    assert ids == expected
+    assert gap < inline / 4, (gap, inline)  # inline, the loop would wait the whole ``inline``
+
+
+@pytest.mark.parametrize("size", [10, 10_000])  # tokenized in place, and in a thread of its own
+def test_a_tokenizer_that_refuses_the_text_is_the_clients_fault(size: int) -> None:
+    def refuse(text: str) -> list[int]:
+        raise TypeError("TextEncodeInput must be Union[...]")
+
+    with pytest.raises(InvalidRequest, match="could not be tokenized") as caught:
+        asyncio.run(encode_text(refuse, "x" * size))
+    assert "TextEncodeInput" not in str(caught.value)
