@@ -110,3 +110,28 @@ def test_a_tokenizer_that_refuses_the_text_is_the_clients_fault(size: int) -> No
     with pytest.raises(InvalidRequest, match="could not be tokenized") as caught:
         asyncio.run(encode_text(refuse, "x" * size))
     assert "TextEncodeInput" not in str(caught.value)
+
+
+def test_a_crowd_of_large_prompts_is_tokenized_a_few_at_a_time() -> None:
+    """Each large prompt is tokenized off the loop, but never more than MAX_TOKENIZING at once:
+    a hostile crowd of large prompts queues on the loop instead of starting a thread each."""
+    from labkit.service.intake import INLINE_CHARS, MAX_TOKENIZING, off_loop
+
+    lock, active, peak = threading.Lock(), [0], [0]
+
+    def encode(text: str) -> list[int]:
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.05)
+        with lock:
+            active[0] -= 1
+        return [len(text)]
+
+    async def crowd() -> list[list[int]]:
+        text = "x" * (INLINE_CHARS + 1)
+        return await asyncio.gather(*(off_loop(encode, text, size=len(text)) for _ in range(4 * MAX_TOKENIZING)))
+
+    results = asyncio.run(crowd())
+    assert results == [[INLINE_CHARS + 1]] * (4 * MAX_TOKENIZING)
+    assert peak[0] == MAX_TOKENIZING

@@ -39,7 +39,7 @@ MAX_MESSAGES = 256
 MAX_CONTENT_PARTS = 64
 NO_BOUND = 1 << 20  # characters per token when the vocabulary cannot be read: the body limit rules
 INLINE_CHARS = 2048  # prompts up to this long are tokenized in place (a few ms at most)
-TINY = 1e-38  # below float32's smallest normal: a temperature or top_p this small samples greedily
+MAX_TOKENIZING = 2  # large prompts tokenized at once per server; more wait their turn on the loop
 
 T = TypeVar("T")
 
@@ -99,14 +99,6 @@ def _show(value: Any) -> str:
     return json.dumps(value)
 
 
-def greedy_if_tiny(temperature: float, top_p: float) -> tuple[float, float]:
-    """A temperature or top_p that float32 rounds to 0 would divide by zero inside the step: both
-    mean "only the most likely token", i.e. greedy, and are served as such."""
-    if 0 < temperature < TINY or top_p < TINY:
-        return 0.0, 1.0
-    return temperature, top_p
-
-
 # -- prompts -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PromptLimits:
@@ -163,6 +155,24 @@ async def off_loop(work: Callable[..., T], *args: Any, size: int) -> T:
     """
     if size <= INLINE_CHARS:
         return work(*args)
+    async with _tokenizing():
+        return await _in_thread(work, *args)
+
+
+_GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+
+
+def _tokenizing() -> asyncio.Semaphore:
+    """This loop's gate: at most ``MAX_TOKENIZING`` tokenizer threads at once, so a crowd of
+    large prompts queues on the loop instead of starting a thread each."""
+    loop = asyncio.get_running_loop()
+    gate = _GATES.get(loop)
+    if gate is None:
+        gate = _GATES[loop] = asyncio.Semaphore(MAX_TOKENIZING)
+    return gate
+
+
+async def _in_thread(work: Callable[..., T], *args: Any) -> T:
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
 

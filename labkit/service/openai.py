@@ -33,7 +33,7 @@ from labkit.service.errors import public_message
 from labkit.service.frames import PING, items, padding
 from labkit.service.intake import (
     MAX_CONTENT_PARTS, MAX_MESSAGES, Count, Number, Prompt, Seed, Stop, Text, TokenId, accepting,
-    chat_ids, greedy_if_tiny, prompt_ids,
+    chat_ids, prompt_ids,
 )
 from labkit.service.openapi import OPENAI_ANSWER
 from labkit.service.responses import sse_response
@@ -160,8 +160,8 @@ Kind = Literal["completion", "chat"]
 
 async def answer(request: Request, service: Service, body: _Sampling, ids: list[int], max_tokens: int,
                  kind: Kind) -> Response:
-    temperature, top_p = greedy_if_tiny(1.0 if body.temperature is None else body.temperature,
-                                        1.0 if body.top_p is None else body.top_p)
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
     stream = service.open(ids, max_new_tokens=max_tokens, stop=body.stop, temperature=temperature,
                           top_p=top_p, seed=body.seed, ignore_eos=body.ignore_eos)
     shape = Shape(kind, stream.rid, service.model_name, len(ids))

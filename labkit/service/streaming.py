@@ -20,7 +20,7 @@ from labkit.hub.stream import Stream, StreamClosed, StreamError
 from labkit.schema import StreamEncoder
 from labkit.service.errors import ServiceError, public_message
 from labkit.service.frames import frames, start_frame, wire_bytes
-from labkit.service.intake import Count, Number, Prompt, Seed, Stop, greedy_if_tiny, prompt_ids
+from labkit.service.intake import Count, Number, Prompt, Seed, Stop, prompt_ids
 from labkit.service.openapi import BODY_REFUSALS, LAB_STREAM
 from labkit.service.responses import sse_response
 from labkit.service.state import Service
@@ -65,9 +65,8 @@ def service_of(request: Request) -> Service:
 
 async def open_stream(service: Service, body: GenerateRequest) -> tuple[Stream, int]:
     ids = await prompt_ids(service.engine, body.prompt)
-    temperature, top_p = greedy_if_tiny(body.temperature, body.top_p)
     stream = service.open(ids, max_new_tokens=body.max_new_tokens, stop=body.stop,
-                          temperature=temperature, top_p=top_p, seed=body.seed, ignore_eos=body.ignore_eos)
+                          temperature=body.temperature, top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos)
     return stream, len(ids)
 
 
