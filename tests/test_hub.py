@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from service_helpers import FakeEngine, eventually, indices, read_all, run, runn
 
 from labkit.engine.config import EngineConfig
 from labkit.engine.engine import BatchEngine
-from labkit.engine.events import FinishEvent, TokenEvent
+from labkit.engine.events import FinishEvent, TokenEvent, Usage
 from labkit.hub import Draining, Hub, HubConfig
 from labkit.hub.stream import StreamClosed, StreamError, StreamState
 
@@ -39,6 +40,36 @@ def test_a_stream_gets_its_tokens_then_its_finish() -> None:
             assert record.released is not None and record.closed is not None
             assert ("cancel", stream.rid) not in engine.calls
             assert hub.open_streams == 0
+    run(body)
+
+
+class FailingRowEngine(FakeEngine):
+    """A FakeEngine whose request ``victim`` ends after its first token with the engine's
+    ``error`` finish (its row could not be sampled), as BatchEngine ends such a row alone."""
+
+    victim = ""
+
+    def _token(self, rid: str, req: Any, emit: Any) -> None:
+        if rid == self.victim and req.made == 1:
+            del self.requests[rid]
+            emit(FinishEvent(rid, "error", Usage(3, req.made), time.perf_counter(), error="could not be drawn"))
+            return
+        super()._token(rid, req, emit)
+
+
+def test_an_engine_error_finish_ends_that_stream_with_an_error_and_spares_the_neighbour() -> None:
+    async def body() -> None:
+        engine = FailingRowEngine()
+        async with running_hub(engine) as hub:
+            victim = hub.open("x", max_new_tokens=5)
+            engine.victim = victim.rid
+            neighbour = hub.open("y", max_new_tokens=5)
+            lost, kept = await read_all(victim), await read_all(neighbour)
+            assert indices(lost) == [0] and isinstance(lost[-1], StreamError)
+            assert lost[-1].type == "internal_error"
+            assert indices(kept) == [0, 1, 2, 3, 4] and isinstance(kept[-1], FinishEvent)
+            hub.close(victim)
+            hub.close(neighbour)
     run(body)
 
 

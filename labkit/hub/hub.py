@@ -346,7 +346,13 @@ class Hub:
         if stream is None or not stream.accepting:
             self._late += 1
             return None
-        stream.put(event, time.perf_counter())
+        if isinstance(event, FinishEvent) and event.reason == "error":
+            # The engine ended this request alone (its row could not be sampled): its reader gets
+            # an error, its neighbours carry on.
+            stream.put(StreamError("internal_error", event.error or "the request failed in the engine"),
+                       time.perf_counter())
+        else:
+            stream.put(event, time.perf_counter())
         if isinstance(event, FinishEvent):
             self._move(stream, StreamState.ENDING)
             return stream
