@@ -1,0 +1,77 @@
+"""``labkit run NAME --target URL``: probe an OpenAI-compatible server, print its quirks, measure it.
+
+Results go to ``<data>/target-NAME/`` (never over the lab's own ``<data>/NAME/``), with a
+``results.json`` that records the target, the model and what the probe found. A target that
+cannot be measured gets one line on stderr naming it and what failed, and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import pandas as pd
+
+from labkit.experiments.common import Profile, get_profile, write_results, write_tables
+from labkit.experiments.target import Target, TargetError, connect, quirks_table
+from labkit.experiments.target_runs import RUNS
+
+__all__ = ["run_target", "measure_target"]
+
+PER_ROW = ("streams", "runs", "quirks")  # written to CSV, not printed: one row per stream or launch
+
+
+def run_target(args: argparse.Namespace) -> int:
+    chosen = list(RUNS) if args.name == "all" else [args.name]
+    if any(name not in RUNS for name in chosen):
+        print(f"labkit: {args.name} needs the lab's own server; with --target: {', '.join(RUNS)}", file=sys.stderr)
+        return 2
+    profile = get_profile(args.profile)
+    try:
+        target = connect(args.target, args.model, args.api, args.target_pid)
+        print(f"profile {profile.name} (sizes); target {target.url}, model {target.model or '(server default)'}")
+        print(_text(quirks_table(target)))
+        for name in chosen:
+            tables = measure_target(name, target, profile)
+            for table_name, table in tables.items():
+                if table_name not in PER_ROW:
+                    print(f"\n{name}: {table_name}\n{_text(table)}")
+    except TargetError as exc:
+        print(f"labkit: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def measure_target(name: str, target: Target, profile: Profile, **overrides: Any) -> dict[str, pd.DataFrame]:
+    """Run experiment ``name`` against ``target`` at ``profile``'s sizes and write its tables.
+
+    Raises :class:`TargetError` when every stream failed (the target went away or refuses).
+    """
+    config_class, run = RUNS[name]
+    config = config_class.for_profile(profile)
+    if overrides:
+        config = config_class(**{**asdict(config), **overrides})
+    started = time.perf_counter()
+    tables = run(target, config)
+    elapsed = time.perf_counter() - started
+    _refuse_if_all_failed(name, target, tables)
+    tables = {**tables, "quirks": quirks_table(target)}
+    write_tables(f"target-{name}", tables, profile)
+    record = {"target": target.url, "model": target.model, "api": target.api, "quirks": asdict(target.quirks),
+              "config": asdict(config)}
+    write_results(f"target-{name}", profile, config=record, elapsed_s=elapsed, tables=tables)
+    return tables
+
+
+def _refuse_if_all_failed(name: str, target: Target, tables: dict[str, pd.DataFrame]) -> None:
+    first = next(iter(tables.values()))
+    if "error" in first and len(first) and first.error.notna().all():
+        raise TargetError(target.url, f"every stream of {name} failed, e.g. {first.error.iloc[0]}")
+    if "errors" in first and "tokens" in first and len(first) and first.tokens.sum() == 0:
+        raise TargetError(target.url, f"every stream of {name} failed ({int(first.errors.sum())} errors)")
+
+
+def _text(table: pd.DataFrame) -> str:
+    return table.to_string(index=False, float_format=lambda v: f"{v:.4g}")
