@@ -24,9 +24,15 @@ import httpx
 import pandas as pd
 
 from labkit.experiments.client import (
-    ReadOptions, StreamResult, async_client, launch_streams, run_sync, timed_stream)
+    ReadOptions,
+    StreamResult,
+    async_client,
+    launch_streams,
+    run_sync,
+    timed_stream,
+)
 
-__all__ = ["API", "Target", "TargetError", "Reading", "Quirks", "read", "connect", "probe", "quirks_table"]
+__all__ = ["API", "Quirks", "Reading", "Target", "TargetError", "connect", "probe", "quirks_table", "read"]
 
 API = Literal["openai", "openai-chat"]
 PROBE_PROMPT = "The lighthouse keeper counted the ships every evening, writing their names in a ledger"
@@ -176,7 +182,7 @@ class Target:
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise TargetError(self.url, "not an http:// or https:// URL with a host")
         path = parts.path.rstrip("/")
-        path = path[:-3] if path.endswith("/v1") else path
+        path = path.removesuffix("/v1")
         object.__setattr__(self, "url", f"{parts.scheme}://{parts.netloc}{path}")
         if self.api not in ("openai", "openai-chat"):
             raise TargetError(self.url, f"api must be openai or openai-chat, got {self.api!r}")
@@ -201,16 +207,17 @@ class Target:
             body.update(_EOS_FLAGS[self.quirks.eos_flag](max_tokens))
         return body
 
-    def stream(self, body: dict[str, Any], options: ReadOptions = ReadOptions()) -> Reading:
+    def stream(self, body: dict[str, Any], options: ReadOptions | None = None) -> Reading:
         """Send one streaming request and read it (for probes; experiments launch many at once)."""
         async def one() -> StreamResult:
             async with async_client(self.url, connections=1, timeout=self.timeout) as client:
-                return await timed_stream(client, body, path=self.path, options=options)
+                return await timed_stream(client, body, path=self.path, options=options or ReadOptions())
 
         return read(run_sync(one()))
 
-    def launch(self, bodies: list[dict[str, Any]], options: ReadOptions = ReadOptions()) -> tuple[list[Reading], float]:
+    def launch(self, bodies: list[dict[str, Any]], options: ReadOptions | None = None) -> tuple[list[Reading], float]:
         """Every body at once, each on its own connection: the readings and the makespan."""
+        options = options or ReadOptions()
         launch = run_sync(launch_streams(self.url, bodies, replace(options, timeout=max(options.timeout, self.timeout)),
                                          path=self.path))
         return [read(r) for r in launch.results], launch.makespan

@@ -18,7 +18,7 @@ from labkit.experiments.common import Profile, get_profile, write_results, write
 from labkit.experiments.target import Target, TargetError, connect, quirks_table
 from labkit.experiments.target_runs import RUNS
 
-__all__ = ["run_target", "measure_target"]
+__all__ = ["measure_target", "run_target"]
 
 PER_ROW = ("streams", "runs", "quirks")  # written to CSV, not printed: one row per stream or launch
 

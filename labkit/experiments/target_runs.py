@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import pandas as pd
@@ -27,7 +28,7 @@ from labkit.experiments.common import Profile, Progress, doing, tick
 from labkit.experiments.target import Reading, Target, read
 from labkit.prompts import PROMPTS
 
-__all__ = ["WireConfig", "OverlapConfig", "run_wire", "run_overlap", "RUNS"]
+__all__ = ["RUNS", "OverlapConfig", "WireConfig", "run_overlap", "run_wire"]
 
 
 def _at_least(owner: str, **values: int) -> None:
@@ -196,7 +197,7 @@ def run_overlap(target: Target, config: OverlapConfig, progress: Progress | None
 
 
 def launch_row(readings: list[Reading], makespan: float, max_tokens: int) -> dict[str, Any]:
-    ttft = percentiles(r.ttft for r in readings)
+    ttft = percentiles(r.ttft for r in readings if r.ttft is not None)
     gaps = percentiles(g for r in readings for g in r.gaps)
     tokens = sum(r.tokens for r in readings if r.ok)
     return {"makespan_s": makespan, "tokens": tokens, "tokens_per_s": tokens / makespan if makespan > 0 else float("nan"),
