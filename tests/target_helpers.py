@@ -95,6 +95,54 @@ def quirky_stub() -> Starlette:
     return Starlette(routes=[Route("/v1/models", _models), Route("/v1/completions", _completions, methods=["POST"])])
 
 
+# --------------------------------------------------------------------------- a batching stub
+
+
+class BatchingStub:
+    """Streams whose every token takes longer the more streams are generating, like one batch.
+
+    Each request generates in a task of its own; ``stops_on_disconnect`` decides whether a client
+    that leaves cancels that task, or whether it runs on to ``max_tokens`` for nobody.
+    """
+
+    BASE_S, PER_STREAM_S = 0.002, 0.005
+
+    def __init__(self, stops_on_disconnect: bool) -> None:
+        self.stops_on_disconnect, self.generating = stops_on_disconnect, 0
+
+    async def _generate(self, limit: int, queue: asyncio.Queue) -> None:
+        self.generating += 1
+        try:
+            for _ in range(limit):
+                await asyncio.sleep(self.BASE_S + self.PER_STREAM_S * self.generating)
+                queue.put_nowait(_chunk("tok ", None))
+            queue.put_nowait(_chunk("", "length"))
+            queue.put_nowait(b"data: [DONE]\n\n")
+        finally:
+            self.generating -= 1
+
+    async def completions(self, request: Request) -> Response:
+        body = await request.json()
+        queue: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(self._generate(int(body.get("max_tokens", 16)), queue))
+
+        async def chunks() -> Any:
+            try:
+                while (item := await queue.get()) is not None:
+                    yield item
+                    if item.startswith(b"data: [DONE]"):
+                        return
+            finally:
+                if self.stops_on_disconnect:
+                    task.cancel()
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[Route("/v1/models", _models),
+                                 Route("/v1/completions", self.completions, methods=["POST"])])
+
+
 # --------------------------------------------------------------------------- servers that are not targets
 
 

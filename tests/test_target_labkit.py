@@ -7,16 +7,21 @@ from target_helpers import labkit_serve_process
 
 from labkit.cli import main
 from labkit.experiments.common import Profile
-from labkit.experiments.target import connect
+from labkit.experiments.target import TargetError, connect
 from labkit.experiments.target_cli import measure_target
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def labkit_url():
-    with labkit_serve_process("--max-batch", "8") as (url, _proc):
-        yield url
+def labkit_process():
+    with labkit_serve_process("--max-batch", "8") as (url, proc):
+        yield url, proc
+
+
+@pytest.fixture(scope="module")
+def labkit_url(labkit_process):
+    return labkit_process[0]
 
 
 @pytest.fixture
@@ -59,3 +64,20 @@ def test_labkit_run_overlap_with_target_from_the_command_line(labkit_url, out, c
     printed = capsys.readouterr().out
     assert "overlap: levels" in printed and "speedup" in printed
     assert (out / "data" / "target-overlap" / "levels.csv").exists()
+
+
+def test_disconnect_by_cpu_time_sees_labkit_stop_after_fin_and_rst(labkit_process, out) -> None:
+    url, proc = labkit_process
+    target = connect(url, pid=proc.pid)
+    tables = measure_target("disconnect", target, Profile("ci"), streams=3, hold_s=0.5, window_s=0.5, repetitions=3)
+    runs, verdicts = tables["runs"], tables["verdicts"].set_index("leave_by")
+    assert (runs.streams_left == 3).all() and (runs.errors == 0).all()
+    assert (runs.during_cpu > runs.after_cpu).all(), runs  # generating costs CPU; after the leave it stops
+    assert (verdicts.witness == "server CPU time").all()
+    assert (verdicts.verdict == "stopped generating").all(), verdicts
+    assert verdicts["running_after (labkit /stats)"].tolist() == ["0, 0, 0", "0, 0, 0"]
+
+
+def test_a_pid_that_is_not_running_here_is_refused(labkit_url) -> None:
+    with pytest.raises(TargetError, match="is not a process on this machine"):
+        connect(labkit_url, pid=2**22 + 12345)

@@ -9,6 +9,7 @@ import pytest
 from target_helpers import (
     REPO,
     STUB_MODEL,
+    BatchingStub,
     broken_api,
     free_port,
     quirky_stub,
@@ -134,3 +135,17 @@ def test_the_labkit_process_exits_non_zero_without_a_traceback(out) -> None:
                           capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(REPO), "PATH": ""})
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip() == f"labkit: target {url}: cannot connect (connection refused)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stops, verdict", [(True, "stopped generating"),
+                                            (False, "kept generating after the client left")])
+def test_disconnect_tells_a_server_that_stops_from_one_that_carries_on(stops: bool, verdict: str, out) -> None:
+    """No pid here: the witness is a follow-up request's pace, which abandoned streams slow down."""
+    with uvicorn_in_thread(BatchingStub(stops_on_disconnect=stops).app()) as url:
+        tables = measure_target("disconnect", connect(url), Profile("ci"), streams=4, max_tokens=300, hold_s=0.4,
+                                window_s=0.1, follow_up_tokens=8, repetitions=3)
+    verdicts = tables["verdicts"].set_index("leave_by")
+    assert list(verdicts.index) == ["fin", "rst"]
+    assert (verdicts.witness == "follow-up latency").all(), verdicts
+    assert (verdicts.verdict == verdict).all(), tables["runs"].T

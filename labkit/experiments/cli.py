@@ -16,7 +16,7 @@ from labkit.experiments import EXPERIMENTS, load, names
 from labkit.experiments.common import PROFILES, Profile, get_profile, save_run
 from labkit.experiments.progress import measuring
 
-__all__ = ["Outcome", "add_run_arguments", "run_experiment", "run_from_args"]
+__all__ = ["add_run_arguments", "run_from_args", "run_experiment", "Outcome"]
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ def measure_target(name: str, target: Target, profile: Profile, **overrides: Any
 def _refuse_if_all_failed(name: str, target: Target, tables: dict[str, pd.DataFrame]) -> None:
     first = next(iter(tables.values()))
     if "error" in first and len(first) and first.error.notna().all():
-        raise TargetError(target.url, f"every stream of {name} failed, e.g. {first.error.iloc[0]}")
+        raise TargetError(target.url, f"{name}: every round had failed streams, e.g. {first.error.iloc[0]}")
     if "errors" in first and "tokens" in first and len(first) and first.tokens.sum() == 0:
         raise TargetError(target.url, f"every stream of {name} failed ({int(first.errors.sum())} errors)")
 

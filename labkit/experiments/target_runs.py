@@ -26,6 +26,7 @@ import pandas as pd
 from labkit.experiments.client import async_client, percentiles, run_sync, timed_stream
 from labkit.experiments.common import Profile, Progress, doing, tick
 from labkit.experiments.target import Reading, Target, read
+from labkit.experiments.target_disconnect import DisconnectConfig, run_disconnect
 from labkit.prompts import PROMPTS
 
 __all__ = ["RUNS", "OverlapConfig", "WireConfig", "run_overlap", "run_wire"]
@@ -234,4 +235,5 @@ def _unavailable(rows: tuple[tuple[str, str], ...]) -> pd.DataFrame:
 RUNS: dict[str, tuple[Any, Callable[..., dict[str, pd.DataFrame]]]] = {
     "wire": (WireConfig, run_wire),
     "overlap": (OverlapConfig, run_overlap),
+    "disconnect": (DisconnectConfig, run_disconnect),
 }
