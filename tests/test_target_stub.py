@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 from target_helpers import (
     REPO,
@@ -149,3 +150,15 @@ def test_disconnect_tells_a_server_that_stops_from_one_that_carries_on(stops: bo
     assert list(verdicts.index) == ["fin", "rst"]
     assert (verdicts.witness == "follow-up latency").all(), verdicts
     assert (verdicts.verdict == verdict).all(), tables["runs"].T
+
+
+def test_levels_from_the_command_line_may_exceed_the_prompt_set(stub_url, out) -> None:
+    assert main(["run", "overlap", "--target", stub_url, "--levels", "1,40"]) == 0
+    runs = pd.read_csv(out / "data" / "target-overlap" / "runs.csv")
+    assert list(runs.level) == [1, 40] * 3 and runs.errors.sum() == 0
+
+
+@pytest.mark.parametrize("levels", ["4,16", "1,x"])
+def test_bad_levels_are_refused_before_connecting(levels: str, out, capsys) -> None:
+    line = refusal(["run", "overlap", "--target", "http://127.0.0.1:9", "--levels", levels], capsys)
+    assert "levels" in line

@@ -18,7 +18,7 @@ from labkit.experiments.common import Profile, get_profile, write_results, write
 from labkit.experiments.target import Target, TargetError, connect, quirks_table
 from labkit.experiments.target_runs import RUNS
 
-__all__ = ["measure_target", "run_target"]
+__all__ = ["config_for", "measure_target", "run_target"]
 
 PER_ROW = ("streams", "runs", "quirks")  # written to CSV, not printed: one row per stream or launch
 
@@ -30,11 +30,16 @@ def run_target(args: argparse.Namespace) -> int:
         return 2
     profile = get_profile(args.profile)
     try:
+        configs = {name: config_for(name, profile, **_overrides(name, args)) for name in chosen}
+    except ValueError as exc:
+        print(f"labkit: {exc}", file=sys.stderr)
+        return 2
+    try:
         target = connect(args.target, args.model, args.api, args.target_pid)
         print(f"profile {profile.name} (sizes); target {target.url}, model {target.model or '(server default)'}")
         print(_text(quirks_table(target)))
         for name in chosen:
-            tables = measure_target(name, target, profile)
+            tables = measure_target(name, target, profile, configs[name])
             for table_name, table in tables.items():
                 if table_name not in PER_ROW:
                     print(f"\n{name}: {table_name}\n{_text(table)}")
@@ -44,15 +49,31 @@ def run_target(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure_target(name: str, target: Target, profile: Profile, **overrides: Any) -> dict[str, pd.DataFrame]:
-    """Run experiment ``name`` against ``target`` at ``profile``'s sizes and write its tables.
+def _overrides(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    if name == "overlap" and getattr(args, "levels", None):
+        try:
+            return {"levels": tuple(int(level) for level in args.levels.split(","))}
+        except ValueError:
+            raise ValueError(f"--levels must be comma-separated integers, got {args.levels!r}") from None
+    return {}
+
+
+def config_for(name: str, profile: Profile, **overrides: Any) -> Any:
+    """Experiment ``name``'s config at ``profile``'s sizes, with ``overrides``; ValueError if invalid."""
+    config_class, _run = RUNS[name]
+    config = config_class.for_profile(profile)
+    return config_class(**{**asdict(config), **overrides}) if overrides else config
+
+
+def measure_target(name: str, target: Target, profile: Profile, config: Any = None,
+                   **overrides: Any) -> dict[str, pd.DataFrame]:
+    """Run experiment ``name`` against ``target`` (``config``, else ``profile``'s sizes with
+    ``overrides``) and write its tables.
 
     Raises :class:`TargetError` when every stream failed (the target went away or refuses).
     """
-    config_class, run = RUNS[name]
-    config = config_class.for_profile(profile)
-    if overrides:
-        config = config_class(**{**asdict(config), **overrides})
+    config = config or config_for(name, profile, **overrides)
+    run = RUNS[name][1]
     started = time.perf_counter()
     tables = run(target, config)
     elapsed = time.perf_counter() - started
