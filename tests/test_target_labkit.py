@@ -7,8 +7,9 @@ from target_helpers import labkit_serve_process
 
 from labkit.cli import main
 from labkit.experiments.common import Profile
-from labkit.experiments.target import TargetError, connect
+from labkit.experiments.target import TargetError
 from labkit.experiments.target_cli import measure_target
+from labkit.experiments.target_probe import connect
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,9 @@ from target_helpers import (
 
 from labkit.cli import main
 from labkit.experiments.common import Profile
-from labkit.experiments.target import Target, TargetError, connect, quirks_table
+from labkit.experiments.target import Target, TargetError
 from labkit.experiments.target_cli import measure_target
+from labkit.experiments.target_probe import connect, quirks_table
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +163,17 @@ def test_levels_from_the_command_line_may_exceed_the_prompt_set(stub_url, out) -
 def test_bad_levels_are_refused_before_connecting(levels: str, out, capsys) -> None:
     line = refusal(["run", "overlap", "--target", "http://127.0.0.1:9", "--levels", levels], capsys)
     assert "levels" in line
+
+
+def test_an_event_stream_that_is_not_openai_s_is_refused(out, capsys) -> None:
+    """Right media type, wrong content: events without ``choices`` are not completion chunks."""
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def other(request) -> Response:
+        return Response(b"event: token\ndata: {\"text\": \"hi\"}\n\n", media_type="text/event-stream")
+
+    with uvicorn_in_thread(Starlette(routes=[Route("/v1/completions", other, methods=["POST"])])) as url:
+        line = refusal(["run", "wire", "--target", url], capsys)
+    assert line == f"labkit: target {url}: POST /v1/completions streamed no completion chunks (not an OpenAI stream?)"

@@ -15,7 +15,8 @@ from typing import Any
 import pandas as pd
 
 from labkit.experiments.common import Profile, get_profile, write_results, write_tables
-from labkit.experiments.target import Target, TargetError, connect, quirks_table
+from labkit.experiments.target import Target, TargetError
+from labkit.experiments.target_probe import connect, quirks_table
 from labkit.experiments.target_runs import RUNS
 
 __all__ = ["config_for", "measure_target", "run_target"]

@@ -34,7 +34,8 @@ from labkit.experiments.client import (
 )
 from labkit.experiments.common import Profile, Progress, doing, tick
 from labkit.experiments.records import LeaveBy
-from labkit.experiments.target import Target, cpu_seconds, read
+from labkit.experiments.target import Target, read
+from labkit.experiments.target_probe import cpu_seconds
 from labkit.prompts import PROMPTS
 
 __all__ = ["DisconnectConfig", "release", "run_disconnect"]
