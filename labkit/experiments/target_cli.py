@@ -7,14 +7,22 @@ cannot be measured gets one line on stderr naming it and what failed, and exit s
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
-import time
 from dataclasses import asdict
+from types import SimpleNamespace
 from typing import Any
 
 import pandas as pd
 
-from labkit.experiments.common import Profile, get_profile, write_results, write_tables
+from labkit.experiments.common import (
+    Profile,
+    get_profile,
+    partial_dir,
+    write_results,
+    write_tables,
+)
+from labkit.experiments.progress import measuring
 from labkit.experiments.target import Target, TargetError
 from labkit.experiments.target_probe import connect, quirks_table
 from labkit.experiments.target_runs import RUNS
@@ -40,7 +48,7 @@ def run_target(args: argparse.Namespace) -> int:
         print(f"profile {profile.name} (sizes); target {target.url}, model {target.model or '(server default)'}")
         print(_text(quirks_table(target)))
         for name in chosen:
-            tables = measure_target(name, target, profile, configs[name])
+            tables = measure_target(name, target, profile, configs[name], show_progress=True)
             for table_name, table in tables.items():
                 if table_name not in PER_ROW:
                     print(f"\n{name}: {table_name}\n{_text(table)}")
@@ -66,24 +74,27 @@ def config_for(name: str, profile: Profile, **overrides: Any) -> Any:
     return config_class(**{**asdict(config), **overrides}) if overrides else config
 
 
-def measure_target(name: str, target: Target, profile: Profile, config: Any = None,
+def measure_target(name: str, target: Target, profile: Profile, config: Any = None, *, show_progress: bool = False,
                    **overrides: Any) -> dict[str, pd.DataFrame]:
     """Run experiment ``name`` against ``target`` (``config``, else ``profile``'s sizes with
-    ``overrides``) and write its tables.
+    ``overrides``) and write its tables; each finished condition is kept in the partial folder
+    until the whole run is written, as for the lab's own experiments.
 
     Raises :class:`TargetError` when every stream failed (the target went away or refuses).
     """
     config = config or config_for(name, profile, **overrides)
     run = RUNS[name][1]
-    started = time.perf_counter()
-    tables = run(target, config)
-    elapsed = time.perf_counter() - started
+    shown = SimpleNamespace(NAME=f"target-{name}", units=lambda c: c.units)  # what measuring() reads
+    with measuring(shown, config, profile, show=show_progress) as progress:
+        tables = run(target, config, progress)
+    elapsed = progress.elapsed_s
     _refuse_if_all_failed(name, target, tables)
     tables = {**tables, "quirks": quirks_table(target)}
     write_tables(f"target-{name}", tables, profile)
     record = {"target": target.url, "model": target.model, "api": target.api, "quirks": asdict(target.quirks),
               "config": asdict(config)}
     write_results(f"target-{name}", profile, config=record, elapsed_s=elapsed, tables=tables)
+    shutil.rmtree(partial_dir(f"target-{name}", profile), ignore_errors=True)
     return tables
 
 

@@ -65,6 +65,10 @@ class DisconnectConfig:
             return cls()
         return cls(streams=4, max_tokens=400, hold_s=1.0, window_s=1.0, follow_up_tokens=16)
 
+    @property
+    def units(self) -> int:
+        return self.repetitions * len(self.leave_by)
+
     def __post_init__(self) -> None:
         if min(self.streams, self.max_tokens, self.repetitions) < 1 or self.follow_up_tokens < 3:
             raise ValueError(f"DisconnectConfig counts must be >= 1 (follow_up_tokens >= 3, for gaps), got {self}")

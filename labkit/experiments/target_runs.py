@@ -8,9 +8,10 @@ rather than guessed.
 
 * :func:`run_wire`: each prompt streamed and answered whole (temperature 0): framing, the order
   of chunks, ``[DONE]``, usage, text against the whole answer, bytes per token.
-* :func:`run_overlap`: 1 to N streams at once, repetitions interleaved (every level once per
-  round, so a drift in the server's load spreads over all levels), makespan, tokens/s, time to
-  first token and gaps; speedup against the same sweep's single-stream runs.
+* :func:`run_overlap`: 1 to N streams at once, after one untimed warm-up at the largest level,
+  repetitions interleaved (every level once per round, so a drift in the server's load spreads
+  over all levels): makespan, tokens/s, time to first token and gaps; speedup against the same
+  sweep's single-stream runs (``level × median single-stream makespan / makespan``).
 """
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ class WireConfig:
     @classmethod
     def for_profile(cls, profile: Profile) -> WireConfig:
         return cls() if profile.full else cls(prompts=8, max_tokens=16, concurrency=4)
+
+    @property
+    def units(self) -> int:
+        return self.prompts
 
     def __post_init__(self) -> None:
         _at_least("WireConfig", prompts=self.prompts, max_tokens=self.max_tokens, concurrency=self.concurrency)
@@ -167,6 +172,10 @@ class OverlapConfig:
     def for_profile(cls, profile: Profile) -> OverlapConfig:
         return cls() if profile.full else cls(levels=(1, 2, 4), max_tokens=16)
 
+    @property
+    def units(self) -> int:
+        return len(self.levels) * self.repetitions
+
     def __post_init__(self) -> None:
         if not self.levels or 1 not in self.levels or min(self.levels) < 1:
             raise ValueError(f"OverlapConfig.levels must include 1 and be >= 1, got {self.levels!r}")
@@ -183,12 +192,16 @@ OVERLAP_UNAVAILABLE = (
 
 
 def run_overlap(target: Target, config: OverlapConfig, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
+    def bodies(level: int) -> list[dict[str, Any]]:
+        return [target.body(PROMPTS[i % len(PROMPTS)], config.max_tokens) for i in range(level)]
+
+    doing(progress, f"warming up: {max(config.levels)} streams, not timed")
+    target.launch(bodies(max(config.levels)))  # first batches pay for lazy set-up (pools, graphs, caches)
     rows = []
     for rep in range(config.repetitions):
         for level in config.levels:
             doing(progress, f"{level} streams at once, round {rep + 1}/{config.repetitions}")
-            bodies = [target.body(PROMPTS[i % len(PROMPTS)], config.max_tokens) for i in range(level)]
-            readings, makespan = target.launch(bodies)
+            readings, makespan = target.launch(bodies(level))
             rows.append({"level": level, "round": rep, **launch_row(readings, makespan, config.max_tokens)})
             tick(progress, runs=rows)
     runs = pd.DataFrame(rows)
