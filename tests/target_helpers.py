@@ -66,6 +66,9 @@ async def _models(request: Request) -> Response:
 
 async def _completions(request: Request) -> Response:
     body = await request.json()
+    if body.get("model", STUB_MODEL) != STUB_MODEL:
+        return JSONResponse({"error": {"message": f"The model `{body['model']}` does not exist.",
+                                       "type": "NotFoundError"}}, status_code=404)
     if "ignore_eos" in body:
         return JSONResponse({"error": {"message": "Unrecognized request argument: ignore_eos",
                                        "type": "invalid_request_error"}}, status_code=400)

@@ -177,3 +177,9 @@ def test_an_event_stream_that_is_not_openai_s_is_refused(out, capsys) -> None:
     with uvicorn_in_thread(Starlette(routes=[Route("/v1/completions", other, methods=["POST"])])) as url:
         line = refusal(["run", "wire", "--target", url], capsys)
     assert line == f"labkit: target {url}: POST /v1/completions streamed no completion chunks (not an OpenAI stream?)"
+
+
+def test_a_model_the_target_does_not_serve_is_refused_with_the_ones_it_lists(stub_url, out, capsys) -> None:
+    line = refusal(["run", "wire", "--target", stub_url, "--model", "llama-70b"], capsys)
+    assert line == (f"labkit: target {stub_url}: POST /v1/completions (stream) failed: HTTP 404: "
+                    f"The model `llama-70b` does not exist.; GET /v1/models lists: {STUB_MODEL}")

@@ -45,7 +45,7 @@ def probe(target: Target) -> Target:
         target = replace(target, model=models[0])
     plain = target.stream(target.body(PROBE_PROMPT, PROBE_TOKENS, usage=False, eos=False))
     if not plain.ok:
-        raise TargetError(target.url, f"POST {target.path} (stream) failed: {plain.error}" + _hint(plain, listed))
+        raise TargetError(target.url, f"POST {target.path} (stream) failed: {plain.error}" + _hint(plain, listed, target, models))
     if not any("choices" in event.data for event in plain.result.events):
         raise TargetError(target.url, f"POST {target.path} streamed no completion chunks (not an OpenAI stream?)")
     asked = target.stream({**target.body(PROBE_PROMPT, PROBE_TOKENS, eos=False),
@@ -59,9 +59,12 @@ def probe(target: Target) -> Target:
     return replace(target, quirks=quirks)
 
 
-def _hint(reading: Reading, listed: str) -> str:
+def _hint(reading: Reading, listed: str, target: Target, models: tuple[str, ...]) -> str:
+    """What the failure most likely means: no such API at all, or a model the server does not have."""
     if reading.result.status == 404 and listed != "yes":
         return f"; GET /v1/models: {listed}: not an OpenAI-compatible API?"
+    if target.model is not None and models and target.model not in models:
+        return f"; GET /v1/models lists: {', '.join(models)}"
     return ""
 
 
