@@ -94,8 +94,18 @@ def _chunk(text: str, finish: str | None) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-def quirky_stub() -> Starlette:
-    return Starlette(routes=[Route("/v1/models", _models), Route("/v1/completions", _completions, methods=["POST"])])
+def quirky_stub(api_key: str | None = None) -> Starlette:
+    """The quirky stub; with ``api_key``, every request without ``Authorization: Bearer KEY`` gets 401."""
+    def guarded(handler: Any) -> Any:
+        async def check(request: Request) -> Response:
+            if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+                return JSONResponse({"error": {"message": "Incorrect API key provided.",
+                                               "type": "invalid_request_error"}}, status_code=401)
+            return await handler(request)
+        return check
+
+    return Starlette(routes=[Route("/v1/models", guarded(_models)),
+                             Route("/v1/completions", guarded(_completions), methods=["POST"])])
 
 
 # --------------------------------------------------------------------------- a batching stub

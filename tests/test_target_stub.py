@@ -183,3 +183,18 @@ def test_a_model_the_target_does_not_serve_is_refused_with_the_ones_it_lists(stu
     line = refusal(["run", "wire", "--target", stub_url, "--model", "llama-70b"], capsys)
     assert line == (f"labkit: target {stub_url}: POST /v1/completions (stream) failed: HTTP 404: "
                     f"The model `llama-70b` does not exist.; GET /v1/models lists: {STUB_MODEL}")
+
+
+def test_a_target_behind_a_key_is_refused_without_it_and_measured_with_it(out, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("STUB_KEY", "s3cret")
+    with uvicorn_in_thread(quirky_stub(api_key="s3cret")) as url:
+        line = refusal(["run", "wire", "--target", url], capsys)
+        assert main(["run", "wire", "--target", url, "--api-key-env", "STUB_KEY"]) == 0
+    assert line == f"labkit: target {url}: POST /v1/completions (stream) failed: HTTP 401: Incorrect API key provided."
+    assert "s3cret" not in capsys.readouterr().out
+    assert "s3cret" not in (out / "data" / "target-wire" / "results.json").read_text()
+
+
+def test_an_unset_key_variable_is_refused(out, capsys) -> None:
+    line = refusal(["run", "wire", "--target", "http://127.0.0.1:9", "--api-key-env", "NO_SUCH_VARIABLE_HERE"], capsys)
+    assert line == "labkit: target http://127.0.0.1:9: --api-key-env NO_SUCH_VARIABLE_HERE: that environment variable is not set"

@@ -48,6 +48,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --target: POST /v1/completions (openai) or /v1/chat/completions")
     parser.add_argument("--target-pid", type=int, default=None, metavar="PID",
                         help="with --target: the server's process id, when it runs on this machine")
+    parser.add_argument("--api-key-env", default=None, metavar="VAR",
+                        help="with --target: send the key in environment variable VAR as a bearer token")
     parser.add_argument("--levels", default=None, metavar="1,4,16,...",
                         help="with --target: overlap's concurrency levels (default: the profile's)")
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+import httpx
+
 from labkit.experiments.client import (
     ReadOptions,
     StreamResult,
@@ -172,6 +174,7 @@ class Target:
     pid: int | None = None
     quirks: Quirks = Quirks()
     timeout: float = 30.0
+    api_key: str | None = field(default=None, repr=False)  # sent as a bearer token; never printed or saved
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -182,6 +185,17 @@ class Target:
         object.__setattr__(self, "url", f"{parts.scheme}://{parts.netloc}{path}")
         if self.api not in ("openai", "openai-chat"):
             raise TargetError(self.url, f"api must be openai or openai-chat, got {self.api!r}")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, connections: int = 1, timeout: float | None = None) -> httpx.AsyncClient:
+        """An httpx client for this target (its headers, no proxy from the environment)."""
+        return async_client(self.url, connections, timeout or self.timeout, headers=self.headers)
+
+    def sync_client(self, timeout: float | None = None) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout or self.timeout, trust_env=False, headers=self.headers)
 
     @property
     def path(self) -> str:
@@ -206,7 +220,7 @@ class Target:
     def stream(self, body: dict[str, Any], options: ReadOptions | None = None) -> Reading:
         """Send one streaming request and read it (for probes; experiments launch many at once)."""
         async def one() -> StreamResult:
-            async with async_client(self.url, connections=1, timeout=self.timeout) as client:
+            async with self.client() as client:
                 return await timed_stream(client, body, path=self.path, options=options or ReadOptions())
 
         return read(run_sync(one()))
@@ -215,7 +229,7 @@ class Target:
         """Every body at once, each on its own connection: the readings and the makespan."""
         options = options or ReadOptions()
         launch = run_sync(launch_streams(self.url, bodies, replace(options, timeout=max(options.timeout, self.timeout)),
-                                         path=self.path))
+                                         path=self.path, headers=self.headers))
         return [read(r) for r in launch.results], launch.makespan
 
 

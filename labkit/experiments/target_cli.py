@@ -7,6 +7,7 @@ cannot be measured gets one line on stderr naming it and what failed, and exit s
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from dataclasses import asdict
@@ -44,7 +45,7 @@ def run_target(args: argparse.Namespace) -> int:
         print(f"labkit: {exc}", file=sys.stderr)
         return 2
     try:
-        target = connect(args.target, args.model, args.api, args.target_pid)
+        target = connect(args.target, args.model, args.api, args.target_pid, api_key=_api_key(args))
         print(f"profile {profile.name} (sizes); target {target.url}, model {target.model or '(server default)'}")
         print(_text(quirks_table(target)))
         for name in chosen:
@@ -56,6 +57,17 @@ def run_target(args: argparse.Namespace) -> int:
         print(f"labkit: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key from the environment variable ``--api-key-env`` names (never from the command line,
+    which ``ps`` and shell history show)."""
+    name = getattr(args, "api_key_env", None)
+    if name is None:
+        return None
+    if not os.environ.get(name):
+        raise TargetError(args.target, f"--api-key-env {name}: that environment variable is not set")
+    return os.environ[name]
 
 
 def _overrides(name: str, args: argparse.Namespace) -> dict[str, Any]:

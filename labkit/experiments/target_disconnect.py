@@ -28,7 +28,6 @@ import pandas as pd
 from labkit.experiments.client import (
     ReadOptions,
     StreamResult,
-    async_client,
     run_sync,
     timed_stream,
 )
@@ -96,7 +95,7 @@ async def measure_leave(target: Target, config: DisconnectConfig, how: LeaveBy) 
     options = ReadOptions(leave_after_s=config.hold_s, leave_by=how, drain_after_fin_s=0.5,
                           timeout=config.hold_s + target.timeout)
     results = [StreamResult(sent=0.0) for _ in range(config.streams)]
-    async with async_client(target.url, connections=config.streams, timeout=target.timeout) as client:
+    async with target.client(config.streams) as client:
         tasks = [asyncio.ensure_future(timed_stream(client, target.body(PROMPTS[i % len(PROMPTS)], config.max_tokens),
                                                     path=target.path, options=options, result=r))
                  for i, r in enumerate(results)]
@@ -173,7 +172,7 @@ async def _cpu_rate(pid: int | None, seconds: float) -> float:
 async def _follow_up(target: Target, config: DisconnectConfig) -> float:
     """The follow-up request's median gap between chunks: the server's pace, without the noise of
     connecting and prefill that its total duration would carry."""
-    async with async_client(target.url, connections=1, timeout=target.timeout) as client:
+    async with target.client() as client:
         result = await timed_stream(client, target.body(PROMPTS[-1], config.follow_up_tokens), path=target.path)
     reading = read(result)
     return float(np.median(reading.gaps)) if reading.ok and reading.gaps else float("nan")
@@ -183,7 +182,7 @@ async def _running(target: Target) -> float:
     if not target.quirks.labkit_internals:
         return float("nan")
     try:
-        async with httpx.AsyncClient(base_url=target.url, timeout=5.0, trust_env=False) as client:
+        async with target.client(timeout=5.0) as client:
             return float((await client.get("/stats")).json()["running"])
     except (httpx.HTTPError, ValueError, KeyError):
         return float("nan")

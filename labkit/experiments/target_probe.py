@@ -30,9 +30,9 @@ PROBE_TOKENS = 8
 
 
 def connect(url: str, model: str | None = None, api: API = "openai", pid: int | None = None,
-            timeout: float = 30.0) -> Target:
+            timeout: float = 30.0, api_key: str | None = None) -> Target:
     """A probed :class:`Target`, or :class:`TargetError` saying why ``url`` cannot be measured."""
-    target = Target(url, model, api, pid, timeout=timeout)
+    target = Target(url, model, api, pid, timeout=timeout, api_key=api_key)
     if pid is not None and not _local_pid(pid):
         raise TargetError(target.url, f"--target-pid {pid} is not a process on this machine")
     return probe(target)
@@ -71,7 +71,7 @@ def _hint(reading: Reading, listed: str, target: Target, models: tuple[str, ...]
 def _models(target: Target) -> tuple[tuple[str, ...], str]:
     """The model ids ``GET /v1/models`` lists, and "yes" or why there are none. Unreachable: refused."""
     try:
-        with httpx.Client(base_url=target.url, timeout=target.timeout, trust_env=False) as client:
+        with target.sync_client() as client:
             response = client.get("/v1/models")
     except httpx.ConnectError as exc:
         raise TargetError(target.url, f"cannot connect ({_reason(exc)})") from None
@@ -115,7 +115,7 @@ def _eos_flags(target: Target, tested: bool) -> tuple[dict[str, str], str | None
 
 def _has_stats(target: Target) -> bool:
     try:
-        with httpx.Client(base_url=target.url, timeout=5.0, trust_env=False) as client:
+        with target.sync_client(timeout=5.0) as client:
             response = client.get("/stats")
         return response.status_code == 200 and "free_blocks" in response.json()
     except (httpx.HTTPError, ValueError, TypeError):

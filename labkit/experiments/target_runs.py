@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pandas as pd
 
-from labkit.experiments.client import async_client, percentiles, run_sync, timed_stream
+from labkit.experiments.client import percentiles, run_sync, timed_stream
 from labkit.experiments.common import Profile, Progress, doing, tick
 from labkit.experiments.target import Reading, Target, read
 from labkit.experiments.target_disconnect import DisconnectConfig, run_disconnect
@@ -99,7 +99,7 @@ def size_table(streams: pd.DataFrame) -> pd.DataFrame:
 
 async def _wire(target: Target, config: WireConfig, progress: Progress | None) -> list[dict[str, Any]]:
     gate = asyncio.Semaphore(config.concurrency)
-    async with async_client(target.url, connections=2 * config.concurrency, timeout=target.timeout) as client:
+    async with target.client(2 * config.concurrency) as client:
         async def one(i: int) -> dict[str, Any]:
             prompt = PROMPTS[i % len(PROMPTS)]
             async with gate:
