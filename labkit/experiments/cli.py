@@ -36,15 +36,32 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", choices=PROFILES, default=None,
                         help="ci: tiny model, few repetitions; full: SmolLM2, the chapter's sizes "
                              "(default: $LABKIT_PROFILE, else ci)")
-    parser.add_argument("--model", default=None, help="serve this model instead of the profile's")
+    parser.add_argument("--model", default=None,
+                        help="serve this model instead of the profile's; with --target, the model to request "
+                             "(default: the first one GET /v1/models lists)")
     parser.add_argument("--no-figures", action="store_true", help="write tables only")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--target", default=None, metavar="URL",
+                        help="measure this OpenAI-compatible server instead of starting labkit's "
+                             "(wire, overlap, disconnect; e.g. http://gpu-node:8000)")
+    parser.add_argument("--api", choices=("openai", "openai-chat"), default="openai",
+                        help="with --target: POST /v1/completions (openai) or /v1/chat/completions")
+    parser.add_argument("--target-pid", type=int, default=None, metavar="PID",
+                        help="with --target: the server's process id, when it runs on this machine")
+    parser.add_argument("--api-key-env", default=None, metavar="VAR",
+                        help="with --target: send the key in environment variable VAR as a bearer token")
+    parser.add_argument("--levels", default=None, metavar="1,4,16,...",
+                        help="with --target: overlap's concurrency levels (default: the profile's)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     import matplotlib
 
     matplotlib.use("Agg")  # the command line draws to files only
+    if args.target:
+        from labkit.experiments.target_cli import run_target
+
+        return run_target(args)
     profile = get_profile(args.profile, args.model)
     chosen = names() if args.name == "all" else [args.name]
     print(f"profile {profile.name}, model {profile.model}; writing under {profile.out_root}")

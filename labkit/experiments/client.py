@@ -208,20 +208,22 @@ class Launch:
         return self.tokens / self.makespan if self.makespan > 0 else float("nan")
 
 
-def async_client(base_url: str, connections: int = 64, timeout: float = 300.0) -> httpx.AsyncClient:
-    """An httpx client with one connection per concurrent stream and no proxy from the environment."""
+def async_client(base_url: str, connections: int = 64, timeout: float = 300.0,
+                 headers: dict[str, str] | None = None) -> httpx.AsyncClient:
+    """An httpx client with one connection per concurrent stream and no proxy from the environment;
+    ``headers`` go with every request (a target's ``Authorization``)."""
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    return httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout, trust_env=False)
+    return httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout, trust_env=False, headers=headers)
 
 
 async def launch_streams(base_url: str, bodies: Sequence[dict[str, Any]],
                          options: ReadOptions | Sequence[ReadOptions] = ReadOptions(), *,
-                         path: str = "/v1/stream") -> Launch:
+                         path: str = "/v1/stream", headers: dict[str, str] | None = None) -> Launch:
     """Send every body at once, each on its own connection, and read them all to the end."""
     opts = list(options) if isinstance(options, Sequence) else [options] * len(bodies)
     if len(opts) != len(bodies):
         raise ValueError(f"{len(bodies)} bodies but {len(opts)} read options")
-    async with async_client(base_url, connections=max(1, len(bodies))) as client:
+    async with async_client(base_url, connections=max(1, len(bodies)), headers=headers) as client:
         results = await asyncio.gather(*(timed_stream(client, b, path=path, options=o)
                                          for b, o in zip(bodies, opts)))
     return Launch(list(results), _makespan(results))
