@@ -16,7 +16,7 @@ def run_demo(model: str = "smollm2-135m", requests: int = 6, new_tokens: int = 4
     print(f"loaded {loaded.name} in {time.perf_counter() - t_load:.1f} s")
     engine = BatchEngine(loaded, EngineConfig(max_batch=requests))
     prompts = {engine.submit(p, max_new_tokens=new_tokens): p for p in PROMPTS[:requests]}
-    texts = {rid: "" for rid in prompts}
+    texts: dict[str, str] = {rid: "" for rid in prompts}
     first: dict[str, float] = {}
     tokens, t0 = 0, time.perf_counter()
     while engine.has_work():

@@ -34,7 +34,7 @@ def apply_style() -> None:
     """Set the lab's rcParams (matplotlib itself falls back to Agg where there is no display)."""
     import matplotlib
 
-    matplotlib.rcParams.update(STYLE)
+    matplotlib.rcParams.update(STYLE)  # type: ignore[arg-type]  # keys checked by matplotlib at run time
 
 
 def new_figure(name: str, ncols: int = 1, width: float | None = None) -> tuple[Figure, list]:

@@ -180,7 +180,7 @@ async def _drain(response: httpx.Response, seconds: float, result: StreamResult)
     stream = response.extensions.get("network_stream")
 
     async def discard() -> None:
-        while chunk := await stream.read(65536):
+        while stream is not None and (chunk := await stream.read(65536)):
             result.drained_bytes += len(chunk)
 
     try:
@@ -252,7 +252,7 @@ def _makespan(results: Iterable[StreamResult]) -> float:
 # --------------------------------------------------------------------------- helpers
 
 
-def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 99)) -> dict[str, float]:
+def percentiles(values: Iterable[float | None], qs: Sequence[float] = (50, 99)) -> dict[str, float]:
     """``{"p50": ..., "p99": ...}`` by linear interpolation; NaN for no values."""
     data = np.asarray([v for v in values if v is not None], dtype=float)
     if data.size == 0:

@@ -28,7 +28,7 @@ from labkit.experiments.common import Profile, Progress, doing, tick
 from labkit.experiments.harness import (
     beside, bodies, loaded_model, long_prompts, read_stream, server_checks, server_like, span, wait_released)
 from labkit.experiments.rawhttp import raw_stream
-from labkit.experiments.records import StreamResult
+from labkit.experiments.records import LeaveBy, StreamResult
 
 NAME = "disconnect"
 MOMENTS = ("waiting", "before_first", "early", "mid", "near_end")
@@ -46,7 +46,7 @@ class Config:
     end_margin: int = 4  # "near the end" leaves this many tokens before max_new_tokens
     blocker_tokens: int = 16  # the streams that fill the batch for the "waiting" moment
     moments: tuple[str, ...] = MOMENTS
-    leave_by: tuple[str, ...] = ("fin", "rst")
+    leave_by: tuple[LeaveBy, ...] = ("fin", "rst")
     response_classes: tuple[str, ...] = CLASSES
     drain_after_fin_s: float = 0.5
     timeout: float = 120.0
@@ -122,7 +122,7 @@ async def trial_group(srv: Any, config: Config, prompts: list[int], kind: str, m
     return [trial_row(kind, moment, rep, how, r, rec) for (rep, how), r, rec in zip(plan, results, records)]
 
 
-async def _fill_batch(srv: Any, config: Config, prompts: list[int]) -> list[asyncio.Future]:
+async def _fill_batch(srv: Any, config: Config, prompts: list[int]) -> list[asyncio.Task[StreamResult]]:
     """Start ``max_batch`` streams that read at once, and return when all of them are running."""
     requests = bodies(prompts, config.max_batch, config.blocker_tokens)
     tasks = [asyncio.ensure_future(read_stream(srv.url, body, leave_after_s=config.timeout)) for body in requests]

@@ -23,7 +23,7 @@ from labkit.experiments.common import Profile, Progress, doing, tick
 from labkit.experiments.disconnect import CLASSES, books, release_books
 from labkit.experiments.harness import (
     beside, loaded_model, long_prompts, read_stream, server_checks, server_like, stream_body, wait_released)
-from labkit.experiments.records import StreamResult
+from labkit.experiments.records import LeaveBy, StreamResult
 
 NAME = "leak"
 
@@ -35,7 +35,7 @@ class Client:
     index: int
     kind: str  # "full", "early" or "slow"
     leave_after: int | None
-    leave_by: str
+    leave_by: LeaveBy
 
 
 @dataclass(frozen=True)

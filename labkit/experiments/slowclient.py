@@ -109,7 +109,10 @@ def units(config: Config) -> int:
 def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
     model = loaded_model(server, config.model)
     prompts = long_prompts(model, config.max_new_tokens)
-    rows, samples, checks, asked = [], [], [], config
+    rows: list[dict[str, Any]] = []
+    samples: list[pd.DataFrame] = []
+    checks: list[Any] = []
+    asked = config
     for (policy, sndbuf), group in _by_server(_mix_runs(config)):
         with server_like(server, model, **server_settings(config, policy, sndbuf=sndbuf)) as srv:
             served: list[dict[str, Any]] = []
@@ -121,7 +124,8 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
                 tick(progress, streams=rows + served)
             rows += served
             checks.append(_check(srv, policy, "slow readers", served))
-    saturation, timeline = [], []
+    saturation: list[dict[str, Any]] = []
+    timeline: list[pd.DataFrame] = []
     for policy in config.saturation_policies:
         doing(progress, f"{policy} under a full batch")
         with server_like(server, model, **server_settings(config, policy, max_batch=config.saturation_batch)) as srv:
@@ -190,11 +194,11 @@ def measure_mix(srv: Any, config: Config, prompts: list[int], policy: str, k: in
     requests = bodies(prompts, config.streams, config.max_new_tokens)
     results, samples, t0 = run_sync(launch_readers(srv, requests, reads))
     records = run_sync(wait_released(srv.hub, [r.request_id for r in results]))
-    sndbuf = "linux" if sndbuf is None else str(sndbuf)
+    sndbuf_name = "linux" if sndbuf is None else str(sndbuf)
     rows = [stream_row(r, rec, t0) | {"policy": policy, "slow_readers": k, "stream": i,
-                                      "role": "slow" if i < k else "healthy", "sndbuf": sndbuf}
+                                      "role": "slow" if i < k else "healthy", "sndbuf": sndbuf_name}
             for i, (r, rec) in enumerate(zip(results, records))]
-    return rows, samples.assign(policy=policy, slow_readers=k, sndbuf=sndbuf)
+    return rows, samples.assign(policy=policy, slow_readers=k, sndbuf=sndbuf_name)
 
 
 def stream_row(r: StreamResult, rec: Any, t0: float) -> dict[str, Any]:
@@ -203,7 +207,7 @@ def stream_row(r: StreamResult, rec: Any, t0: float) -> dict[str, Any]:
     sizes = [e.nbytes for e in r.tokens]
     unread = sum(e.nbytes for e in r.events if released is not None and e.time > released)
     return {"tokens_received": len(r.tokens), "end": r.finish_reason or ("left" if r.left else "cut"),
-            "client_done_s": r.ended - t0, "gap_p99_s": percentiles(r.gaps, (99,))["p99"],
+            "client_done_s": None if r.ended is None else r.ended - t0, "gap_p99_s": percentiles(r.gaps, (99,))["p99"],
             "left_engine_s": None if released is None else released - t0,
             "engine_finish": getattr(rec, "finish_reason", None), "tokens_generated": getattr(rec, "tokens_generated", 0),
             "max_queue": getattr(rec, "max_queue", 0), "pauses": getattr(rec, "pauses", 0),
@@ -273,7 +277,7 @@ def beside_chapter(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
         rows = main[(main.policy == policy) & ((main.slow_readers > 0) if k is None else (main.slow_readers == k))]
         return span(scale * rows[col], fmt)
 
-    ms = dict(scale=1000.0, fmt="{:.0f}")
+    ms: dict[str, Any] = dict(scale=1000.0, fmt="{:.0f}")
     return beside([
         ("naive: last healthy stream done, 1 slow of 8 (none slow)", "28 (1)",
          f"{ours('naive', 'healthy_done_s', k1)} ({ours('naive', 'healthy_done_s', 0)})", "s"),

@@ -36,7 +36,7 @@ def tiny_llama() -> LoadedModel:
     config = LlamaConfig(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        rope_theta=10000.0, tie_word_embeddings=False, initializer_range=INIT_STD,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False, initializer_range=INIT_STD,
         bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )
     model = _seeded(lambda: LlamaForCausalLM(config))

@@ -128,14 +128,18 @@ def _problem(err: Any) -> str:
 
 
 def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
-    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    # Starlette types every handler as taking Exception; each narrows to the class it is installed for.
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
         return error_response(422, "invalid_request", describe_validation(exc))
 
-    async def on_labkit(request: Request, exc: LabkitError) -> JSONResponse:
+    async def on_labkit(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, LabkitError)
         err = as_service_error(exc, retry_after_s)
         return error_response(err.status, err.type, err.message, err.headers)
 
-    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
         if exc.status_code == 400:  # FastAPI's "error parsing the body" (not UTF-8): invalid JSON, like any other
             return error_response(422, "invalid_request", "invalid JSON: the body is not JSON text in UTF-8")
         kind = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code, "http_error")

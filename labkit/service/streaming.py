@@ -125,9 +125,9 @@ async def collect(stream: Stream) -> dict[str, Any]:
             usage = {"prompt_tokens": item.usage.prompt_tokens, "completion_tokens": item.usage.completion_tokens}
             return {"text": "".join(text), "token_ids": ids, "finish_reason": item.reason, "usage": usage}
         else:
+            assert isinstance(item, (FinishEvent, StreamError))
             kind, message = ("cancelled", "the request was cancelled") if isinstance(item, FinishEvent) \
                 else (item.type, item.message)
-            assert isinstance(item, (FinishEvent, StreamError))
             raise ServiceError(_ERROR_STATUS.get(kind, 500), kind, public_message(kind, message))
 
 
