@@ -60,6 +60,12 @@ PROXY_CONDITIONS: dict[str, tuple[bool, bool, bool, str]] = {
     "buffering-on-accel-ignored-http11": (True, False, False, "1.1"),
 }
 CONDITIONS = (DIRECT, *PROXY_CONDITIONS)
+#: Where the proxy should hold events back, and why: nginx buffers a response only with
+#: ``proxy_buffering on`` and the service's ``X-Accel-Buffering: no`` ignored; then it passes on
+#: what fills a buffer (4 KiB here) when the upstream body is unchunked (HTTP/1.0), and gzip
+#: holds the compressed stream until the end. Unbuffered, nginx forwards (and gzip flushes)
+#: every read from the upstream; a chunked upstream (HTTP/1.1) is forwarded chunk by chunk.
+EXPECTED_HOLD = {c: c in ("buffering-on-accel-ignored", "gzip-buffering-on-accel-ignored") for c in CONDITIONS}
 PINGS = ("on", "off")
 NO_PINGS_INTERVAL = 3600.0  # "pings off": an interval no measured stream stays quiet for
 
@@ -67,7 +73,7 @@ NO_PINGS_INTERVAL = 3600.0  # "pings off": an interval no measured stream stays 
 @dataclass(frozen=True)
 class Config:
     model: str = "tiny-gpt2"
-    tokens: int = 300  # per probe stream (ignore_eos: always this many)
+    tokens: int = 160  # per probe stream (ignore_eos: always this many); ~11 KiB of events
     repetitions: int = 3
     conditions: tuple[str, ...] = CONDITIONS
     hold_floor_s: float = 0.005  # a median hold-back below this is no hold-back, whatever the ratio
@@ -112,7 +118,7 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
     with serving(server, **server_options(config)) as srv:
         events = burst_probe(srv, config, progress)
         keepalive = keepalive_probe(loaded_model(srv, config.model), config, progress)
-    holdback = holdback_summary(events)
+    holdback = holdback_summary(events, config.hold_floor_s)
     return {"events": events, "holdback": holdback, "keepalive": keepalive,
             "keepalive_summary": keepalive_summary(keepalive)}
 
@@ -248,7 +254,7 @@ def event_rows(condition: str, rep: int, seen: Probe, written: list[float]) -> l
              "complete": True} for e in tokens]
 
 
-def holdback_summary(events: pd.DataFrame) -> pd.DataFrame:
+def holdback_summary(events: pd.DataFrame, floor_s: float = Config.hold_floor_s) -> pd.DataFrame:
     """Per condition: hold-back (median, p90, max), bursts, and the verdict against the direct run."""
     rows = []
     for condition, group in events.groupby("condition", sort=False):
@@ -268,7 +274,7 @@ def holdback_summary(events: pd.DataFrame) -> pd.DataFrame:
             "share_in_bursts": in_bursts / len(group),
         })
     table = pd.DataFrame(rows)
-    return table.assign(holds_back=verdicts(table))
+    return table.assign(holds_back=verdicts(table, floor_s))
 
 
 def verdicts(table: pd.DataFrame, floor_s: float = Config.hold_floor_s) -> list[bool]:
@@ -394,6 +400,23 @@ def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
         "max_delay_ms": {c: round(float(v), 2) for c, v in hold.max_delay_ms.items()},
         "keepalive_survived": {p: f"{int(r.survived)}/{int(r.runs)}" for p, r in keep.iterrows()},
     }
+
+
+def report(tables: dict[str, pd.DataFrame]) -> str:
+    """Stable text for any profile: did each condition hold events back where nginx should (and
+    only there), and did pings (only) carry a quiet stream through the read timeout."""
+    lines = []
+    for row in tables["holdback"].itertuples():
+        expected = EXPECTED_HOLD.get(row.condition)
+        said = "holds events back" if row.holds_back else "passes events on at once"
+        lines.append(f"{row.condition}: {said}" + ("" if bool(row.holds_back) == expected else
+                                                   f" (NOT as expected: {'held' if expected else 'not held'})"))
+    for row in tables["keepalive_summary"].itertuples():
+        want = "every quiet stream survived" if row.pings == "on" else "every quiet stream was cut"
+        ok = row.survived == row.runs if row.pings == "on" else row.survived == 0
+        got = want if ok else f"{int(row.survived)} of {int(row.runs)} quiet streams survived: NOT {want}"
+        lines.append(f"pings {row.pings}, proxy_read_timeout {row.read_timeout_s:g} s: {got}")
+    return "\n".join(lines)
 
 
 def plot(tables: dict[str, pd.DataFrame]) -> list:
