@@ -84,24 +84,23 @@ def test_nginx_proxies_to_a_labkit_server_and_is_gone_after_the_block(tiny_gpt2)
 
 @needs_nginx
 def test_nginx_is_stopped_when_the_block_raises():
-    with pytest.raises(RuntimeError, match="inside"):
-        with running_nginx([Route("app", "http://127.0.0.1:9")]) as nginx:
-            process, folder = nginx.process, nginx.folder
-            raise RuntimeError("inside")
+    with pytest.raises(RuntimeError, match="inside"), running_nginx([Route("app", "http://127.0.0.1:9")]) as nginx:
+        process, folder = nginx.process, nginx.folder
+        raise RuntimeError("inside")
     assert process.returncode is not None and nginx_processes_using(folder) == []
 
 
 @needs_nginx
 def test_a_config_nginx_refuses_fails_at_start_with_nginx_s_own_reason():
-    with pytest.raises(RuntimeError, match="host not found"):
-        with running_nginx([Route("app", "http://no-such-host.invalid:80")]):
-            pass  # pragma: no cover
+    with pytest.raises(RuntimeError, match="host not found"), \
+            running_nginx([Route("app", "http://no-such-host.invalid:80")]):
+        pass  # pragma: no cover
 
 
 def test_without_nginx_the_reason_is_clear(monkeypatch):
     from labkit.experiments import proxy
 
     monkeypatch.setattr(proxy, "nginx_binary", lambda: None)
-    with pytest.raises(proxy.NginxUnavailable, match="make system-deps"):
-        with running_nginx([Route("app", "http://127.0.0.1:9")]):
-            pass  # pragma: no cover
+    with pytest.raises(proxy.NginxUnavailable, match="make system-deps"), \
+            running_nginx([Route("app", "http://127.0.0.1:9")]):
+        pass  # pragma: no cover

@@ -89,7 +89,7 @@ def test_without_buffering_or_with_the_service_header_honoured_events_pass_at_on
 @needs_nginx
 @slow
 def test_gzip_holds_the_stream_to_its_end_only_where_nginx_buffers(burst):
-    events, summary = burst
+    _, summary = burst
     buffered, unbuffered = summary.loc["gzip-buffering-on-accel-ignored"], summary.loc["gzip-buffering-off-accel-ignored"]
     assert buffered.content_encoding == unbuffered.content_encoding == "gzip"
     assert buffered.holds_back and buffered.reads_per_stream == 1  # every event in one read, at the end
