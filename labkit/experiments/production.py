@@ -230,7 +230,7 @@ def burst_probe(server: Any, config: Config, progress: Progress | None = None) -
                 rows += event_rows(condition, rep, seen, clock.times)
                 tick(progress, events=rows)
     return pd.DataFrame(rows, columns=["condition", "repetition", "index", "written_at", "arrived_at", "delay",
-                                       "read", "content_encoding", "complete"])
+                                       "read", "content_encoding"])
 
 
 async def _one_probe(url: str, body: dict[str, Any], timeout: float) -> Probe:
@@ -250,8 +250,8 @@ def event_rows(condition: str, rep: int, seen: Probe, written: list[float]) -> l
     encoding = result.headers.get("content-encoding", "identity")
     return [{"condition": condition, "repetition": rep, "index": e.data["index"],
              "written_at": written[e.data["index"]] - result.sent, "arrived_at": e.time - result.sent,
-             "delay": e.time - written[e.data["index"]], "read": read_of[e.time], "content_encoding": encoding,
-             "complete": True} for e in tokens]
+             "delay": e.time - written[e.data["index"]], "read": read_of[e.time], "content_encoding": encoding}
+            for e in tokens]
 
 
 def holdback_summary(events: pd.DataFrame, floor_s: float = Config.hold_floor_s) -> pd.DataFrame:
@@ -442,6 +442,8 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
         ax2.scatter([i] * len(group), group.ended_s, c=colors, zorder=3)
     ax2.axhline(keep.read_timeout_s.iloc[0], color="0.5", linestyle="--", label="proxy_read_timeout")
     ax2.set_xticks(range(keep.pings.nunique()), [f"pings {p}" for p in keep.pings.unique()])
+    ax2.set_xlim(-0.5, keep.pings.nunique() - 0.5)
+    ax2.set_ylim(bottom=0)
     ax2.set(ylabel="seconds until the stream ended", title="A quiet stream through nginx (green: done; red: cut)")
     ax2.legend()
     return [fig, fig2]
