@@ -90,7 +90,7 @@ class Config:
     @classmethod
     def for_profile(cls, profile: Profile) -> Config:
         if profile.full:  # SmolLM2 writes a token every ~50 ms: a short answer already spans seconds
-            return cls(model=profile.model, tokens=64, blocker_tokens=60)
+            return cls(model=profile.model, tokens=64, blocker_tokens=30)
         return cls(model=profile.model)
 
     def __post_init__(self) -> None:
