@@ -9,7 +9,7 @@ KERNEL := streamlab
 KERNEL_DISPLAY := streamlab (labkit)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: lab test test-fast jupyter demo sync-notebooks clean-venv
+.PHONY: lab test test-fast jupyter demo sync-notebooks clean-venv system-deps
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,3 +55,12 @@ test-fast: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# System programs some experiments start as child processes: nginx (the production
+# experiment's proxy). Installed from Debian when missing and we are root (as on CI); otherwise
+# say what is missing: those experiments' tests and cells then skip, saying why.
+system-deps:
+	@if command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx; \
+	else echo "nginx is not installed and cannot be installed here (not root, or no apt-get): apt-get install nginx"; fi

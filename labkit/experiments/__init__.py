@@ -41,6 +41,7 @@ EXPERIMENTS: dict[str, str] = {
     "disconnect": "labkit.experiments.disconnect",
     "leak": "labkit.experiments.leak",
     "extensions": "labkit.experiments.extensions",
+    "production": "labkit.experiments.production",
 }
 
 
