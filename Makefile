@@ -25,14 +25,14 @@ $(STAMP): pyproject.toml Makefile
 # The main job: every notebook re-run in place on SmolLM2-135M (the full profile),
 # regenerating its outputs, data/ and figures/; each notebook's duration is printed at the
 # end and kept in data/durations.csv.
-lab: $(STAMP)
+lab: system-deps $(STAMP)
 	$(PY) -m labkit.lab --profile full
 
 # The whole suite: unit and service tests, then every notebook under nbval with the small ci
 # profile, chosen from outside (the kernels inherit LABKIT_PROFILE; the notebooks' parameters
 # cells read it). Only cells marked NBVAL_CHECK_OUTPUT are compared: each experiment's invariants.
 # tests/test_notebooks.py fails if a notebook and its .py source have drifted apart.
-test: $(STAMP)
+test: system-deps $(STAMP)
 	LABKIT_PROFILE=ci $(PY) -m pytest -q tests notebooks --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=600 --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 
@@ -62,5 +62,6 @@ clean-venv:
 system-deps:
 	@if command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx; } \
+			|| echo "apt-get could not install nginx: the proxy experiment's tests and cells will skip"; \
 	else echo "nginx is not installed and cannot be installed here (not root, or no apt-get): apt-get install nginx"; fi
