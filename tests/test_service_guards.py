@@ -35,7 +35,7 @@ def test_only_loopback_names_are_served_by_default(tiny_gpt2: Any) -> None:
         with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
             posted = client.post("/v1/generate", json={"prompt": "Hi", "max_new_tokens": 2},
                                  headers={"Host": "evil.example"})
-        assert posted.status_code == 400 and server.hub.stats()["ends"] == {}
+        assert posted.status_code == 400 and server.hub.stats().ends == {}
 
 
 def test_allowed_hosts_are_configurable(tiny_gpt2: Any) -> None:
