@@ -46,6 +46,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--batches", default="1,2,4,8,16,32", help="step: comma-separated batch sizes")
     p.add_argument("--context", type=int, default=64, help="step: tokens already in each sequence's cache")
+    p.add_argument("--rounds", type=int, default=1, help="step: measure every cell this many times, interleaved")
     p.add_argument("--requests", type=int, default=32, help="generate: number of requests")
     p.add_argument("--new-tokens", type=int, default=64, help="generate: tokens per request")
     p.add_argument("--no-generate-batch", action="store_true", help="generate: skip transformers' generate_batch")
@@ -62,7 +63,7 @@ def _bench(args) -> None:
 
     if args.what == "step":
         cfg = bench.StepBench(model=args.model, batches=tuple(int(b) for b in args.batches.split(",")),
-                              context=args.context, dtype=args.dtype)
+                              context=args.context, dtype=args.dtype, rounds=args.rounds)
         table = bench.bench_step(cfg)
     else:
         cfg = bench.GenerateBench(model=args.model, requests=args.requests, new_tokens=args.new_tokens,

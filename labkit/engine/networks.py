@@ -62,6 +62,11 @@ class Network:
     def logits(self, x: Tensor, tile: Tile) -> Tensor:
         raise NotImplementedError
 
+    def matmuls(self) -> list[tuple[Tensor, Tensor | None]]:
+        """(weight, bias) of every matrix product one forward makes, in order, lm head last:
+        what the benchmark times alone as the step's floor."""
+        raise NotImplementedError
+
 
 def build_network(loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> Network:
     """The network for ``loaded.arch`` with its weights in ``dtype`` on ``device``.
@@ -132,6 +137,10 @@ class GPT2Network(Network):
     def logits(self, x: Tensor, tile: Tile) -> Tensor:
         return linear(layer_norm(x, *self.ln_f, self.eps), self.lm_head, None, tile)
 
+    def matmuls(self) -> list[tuple[Tensor, Tensor | None]]:
+        names = ("qkv", "out", "fc", "proj")
+        return [(w[f"{n}_w"], w[f"{n}_b"]) for w in self.blocks for n in names] + [(self.lm_head, None)]
+
 
 # ---------------------------------------------------------------------------------------------
 _STATIC_ROPE = ("default", "linear", "llama3")
@@ -195,6 +204,10 @@ class LlamaNetwork(Network):
 
     def logits(self, x: Tensor, tile: Tile) -> Tensor:
         return linear(rms_norm(x, self.norm, self.eps), self.lm_head, None, tile)
+
+    def matmuls(self) -> list[tuple[Tensor, Tensor | None]]:
+        names = ("qkv", "o", "gate_up", "down")
+        return [(w[f"{n}_w"], w[f"{n}_b"]) for w in self.blocks for n in names] + [(self.lm_head, None)]
 
 
 def _cat_bias(p, *projections) -> Tensor | None:
