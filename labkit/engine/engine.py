@@ -105,8 +105,8 @@ class BatchEngine:
 
             self._apply_inbox(emit)
             admitted = self.scheduler.admit()
-            for seq in admitted:
-                self._prefill(seq, emit)
+            if admitted:
+                self._prefill(admitted, emit)
             batch = self.scheduler.decodable(exclude=admitted)
             if batch:
                 self._decode(batch, emit)
@@ -131,10 +131,12 @@ class BatchEngine:
         for seq in cancelled:
             emit(self._finish_event(seq))
 
-    def _prefill(self, seq: Sequence, emit: OnEvent) -> None:
-        logits = self.runner.prefill(seq.prompt_ids, self.blocks.table(seq.rid))
-        self.counters["prefills"] += 1
-        self._accept(seq, sample(logits, seq.params, seq.generator), emit)
+    def _prefill(self, seqs: list[Sequence], emit: OnEvent) -> None:
+        """The prompts admitted in this step, prefilled together in packed passes."""
+        logits = self.runner.prefill_many([s.prompt_ids for s in seqs], [self.blocks.table(s.rid) for s in seqs])
+        self.counters["prefills"] += len(seqs)
+        for seq, row in zip(seqs, logits):
+            self._accept(seq, sample(row, seq.params, seq.generator), emit)
 
     def _decode(self, batch: list[Sequence], emit: OnEvent) -> None:
         logits = self.runner.decode([s.pending for s in batch], [s.num_cached for s in batch],

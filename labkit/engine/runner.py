@@ -5,12 +5,13 @@ The KV pool holds every layer's keys and values in fixed-size blocks; the block 
 slots it is told: position ``p`` of a sequence lives in block ``table[p // block_size]`` at
 offset ``p % block_size``.
 
-Prefill runs one prompt with plain matmuls: prompts are always prefilled one at a time, so a
-prompt's numbers are the same however busy the engine is. Decode runs one token for each of
-many sequences in one pass. With ``batch_invariant`` (the default) every decode matmul works on
-row tiles of ``tile_rows`` rows and each sequence's attention has a shape set by its own length
-(see ``layers.py`` and ``attention.py``), so a sequence's logits are bitwise the same whether it
-is decoded alone or beside any neighbours; the tests check exactly that.
+Prefill runs the prompts admitted together in one packed pass, each with its own positions and
+blocks; decode runs one token for each of many sequences in one pass. With ``batch_invariant``
+(the default) every matmul, prefill and decode, works on row tiles of ``tile_rows`` rows, each
+prompt attends over its own rows only, and each decoding sequence's attention has a shape set by
+its own length (see ``layers.py`` and ``attention.py``), so a sequence's logits are bitwise the
+same whether it is prefilled or decoded alone or beside any neighbours; the tests check exactly
+that.
 """
 from __future__ import annotations
 
@@ -60,12 +61,12 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int,
                  device: str = "cpu", dtype: str = "float32",
-                 batch_invariant: bool = True, tile_rows: int = 8) -> None:
+                 batch_invariant: bool = True, tile_rows: int = 8, max_prefill_tokens: int = 2048) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"ModelRunner dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
-        if min(num_blocks, block_size, tile_rows) < 1:
-            raise ValueError(f"num_blocks, block_size and tile_rows must be >= 1, "
-                             f"got {num_blocks}, {block_size}, {tile_rows}")
+        if min(num_blocks, block_size, tile_rows, max_prefill_tokens) < 1:
+            raise ValueError(f"num_blocks, block_size, tile_rows and max_prefill_tokens must be >= 1, "
+                             f"got {num_blocks}, {block_size}, {tile_rows}, {max_prefill_tokens}")
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
         self.network = build_network(loaded, self.dtype, self.device)
@@ -75,6 +76,7 @@ class ModelRunner:
         self.tile_rows = tile_rows
         self._tile = tile_rows if batch_invariant else None  # what linear() gets: None = plain matmuls
         self.span = DEFAULT_SPAN
+        self.max_prefill_tokens = max_prefill_tokens
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -85,25 +87,57 @@ class ModelRunner:
     def max_positions(self) -> int:
         return self.network.shape.max_positions
 
-    @torch.inference_mode()
     def prefill(self, token_ids: Sequence[int], block_table: Sequence[int]) -> Tensor:
         """Run the whole prompt, write its K/V at positions 0..n-1 into the given blocks;
         return float32 logits (vocab,) of the last position."""
-        n = len(token_ids)
-        if n == 0:
-            raise ValueError("prefill needs at least one token")
-        self._check_positions(n - 1)
-        positions = torch.arange(n, device=self.device)
-        bs = self.block_size
-        slots = self._long([block_table[p // bs] * bs + p % bs for p in range(n)])
-        net = self.network
-        x = net.embed(self._long(token_ids), positions)
-        at = net.positional(positions)
+        return self.prefill_many([token_ids], [block_table])[0]
+
+    @torch.inference_mode()
+    def prefill_many(self, prompts: Sequence[Sequence[int]], block_tables: Sequence[Sequence[int]]) -> Tensor:
+        """Prefill several prompts in packed passes: float32 logits (prompts, vocab), one row
+        per prompt, of its last position.
+
+        The prompts' tokens are laid end to end, each with its own positions 0..n-1 and its own
+        blocks, so the matmuls see every prompt's rows at once; attention runs per prompt over
+        its own rows, the same call as alone. In the batch-invariant mode the matmuls are tiled
+        as in decode, so a prompt's logits (and the K/V it leaves) are bitwise those of its solo
+        prefill. Passes hold at most ``max_prefill_tokens`` rows (a longer prompt goes alone).
+        """
+        if len(prompts) != len(block_tables):
+            raise ValueError(f"{len(prompts)} prompts but {len(block_tables)} block tables")
+        for ids in prompts:
+            if len(ids) == 0:
+                raise ValueError("prefill needs at least one token")
+            self._check_positions(len(ids) - 1)
+        parts = [self._prefill_packed([prompts[i] for i in group], [block_tables[i] for i in group])
+                 for group in _packs([len(ids) for ids in prompts], self.max_prefill_tokens)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _prefill_packed(self, prompts: list[Sequence[int]], block_tables: list[Sequence[int]]) -> Tensor:
+        bs, tile, net = self.block_size, self._tile, self.network
+        lengths = [len(ids) for ids in prompts]
+        rows = sum(lengths)
+        padded = rows if tile is None else -(-rows // tile) * tile
+        filler = [0] * (padded - rows)  # filler rows: token 0 at position 0, never written or attended
+        positions = [p for n in lengths for p in range(n)]
+        slots = self._long([table[p // bs] * bs + p % bs for table, n in zip(block_tables, lengths) for p in range(n)])
+        pos = self._long(positions + filler)
+        x = net.embed(self._long([t for ids in prompts for t in ids] + filler), pos)
+        at = net.positional(pos)
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
         for layer in range(net.shape.num_layers):
-            q, k, v = net.qkv(layer, x, at, None)
-            self.pool.write(layer, slots, k, v)
-            x = net.finish(layer, x, prefill_attention(q, k, v), None)
-        return net.logits(x[-1:], None)[0].float()
+            q, k, v = net.qkv(layer, x, at, tile)
+            self.pool.write(layer, slots, k[:rows], v[:rows])
+            attn = [prefill_attention(q[a:b], k[a:b], v[a:b]) for a, b in zip(starts, starts[1:])]
+            if padded > rows:
+                attn.append(attn[0].new_zeros(padded - rows, attn[0].shape[1]))
+            x = net.finish(layer, x, attn[0] if len(attn) == 1 else torch.cat(attn), tile)
+        last = [b - 1 for b in starts[1:]]
+        out_rows = len(last) if tile is None else -(-len(last) // tile) * tile
+        x = x.index_select(0, self._long(last + [last[0]] * (out_rows - len(last))))
+        return net.logits(x, tile)[:len(last)].float()
 
     @torch.inference_mode()
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
@@ -138,3 +172,17 @@ class ModelRunner:
 
     def _long(self, values: Sequence[int]) -> Tensor:
         return torch.tensor(list(values), dtype=torch.long, device=self.device)
+
+
+def _packs(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive prompts grouped so that each group holds at most ``budget`` tokens
+    (a prompt longer than that is a group of its own)."""
+    groups: list[list[int]] = []
+    total = budget + 1
+    for i, n in enumerate(lengths):
+        if total + n > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return groups
