@@ -41,7 +41,7 @@ def _add_demo(sub) -> None:
 
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: decode-step cost and generation throughput")
-    p.add_argument("what", choices=["step", "generate"])
+    p.add_argument("what", choices=["step", "generate", "gather"])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--batches", default="1,2,4,8,16,32", help="step: comma-separated batch sizes")
@@ -65,6 +65,8 @@ def _bench(args) -> None:
         cfg = bench.StepBench(model=args.model, batches=tuple(int(b) for b in args.batches.split(",")),
                               context=args.context, dtype=args.dtype, rounds=args.rounds)
         table = bench.bench_step(cfg)
+    elif args.what == "gather":
+        table = bench.bench_gather(bench.GatherBench(model=args.model, dtype=args.dtype))
     else:
         cfg = bench.GenerateBench(model=args.model, requests=args.requests, new_tokens=args.new_tokens,
                                   dtype=args.dtype, with_generate_batch=not args.no_generate_batch,

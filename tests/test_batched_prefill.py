@@ -66,8 +66,8 @@ def test_prefill_many_refuses_mismatched_or_empty_input(tiny_gpt2: LoadedModel) 
 def test_engine_prefills_the_prompts_it_admits_together_in_one_call(tiny_gpt2: LoadedModel, monkeypatch) -> None:
     engine = make_engine(tiny_gpt2)
     calls = []
-    original = engine.runner.prefill_many
-    monkeypatch.setattr(engine.runner, "prefill_many", lambda prompts, tables: calls.append(len(prompts))
+    original = engine.runner.prefill_packs
+    monkeypatch.setattr(engine.runner, "prefill_packs", lambda prompts, tables: calls.append(len(prompts))
                         or original(prompts, tables))
     for p in PROMPTS[:5]:
         engine.submit(p, max_new_tokens=3)
@@ -87,3 +87,17 @@ def test_prompts_admitted_together_generate_what_each_generates_alone(tiny_model
         alone = make_engine(tiny_model)
         solo_rid = alone.submit(prompt, max_new_tokens=10, ignore_eos=True)
         assert outcomes[rid].tokens == drain(alone)[solo_rid].tokens, prompt
+
+
+def test_each_pass_hands_out_its_first_tokens_before_the_next_pass_runs(tiny_gpt2: LoadedModel, monkeypatch) -> None:
+    engine = make_engine(tiny_gpt2)
+    engine.runner.max_prefill_tokens = 12
+    log = []
+    original = engine.runner._prefill_packed
+    monkeypatch.setattr(engine.runner, "_prefill_packed",
+                        lambda prompts, tables: log.append(("pass", len(prompts))) or original(prompts, tables))
+    rids = [engine.submit([5 + i] * 5, max_new_tokens=2) for i in range(6)]  # 5 tokens each: two per pass
+    engine.step(lambda event: log.append(("token", event.rid)))
+    assert log == [("pass", 2), ("token", rids[0]), ("token", rids[1]),
+                   ("pass", 2), ("token", rids[2]), ("token", rids[3]),
+                   ("pass", 2), ("token", rids[4]), ("token", rids[5])]

@@ -2,7 +2,7 @@
 import torch
 
 from engine_helpers import solo, with_eos
-from labkit.bench import GenerateBench, StepBench, bench_generate, bench_step
+from labkit.bench import GatherBench, GenerateBench, StepBench, bench_gather, bench_generate, bench_step
 from labkit.prompts import PROMPTS
 
 
@@ -59,3 +59,12 @@ def test_benches_in_bfloat16_leave_the_loaded_float32_weights_untouched(tiny_gpt
     assert (bench_generate(cfg, tiny_gpt2).tokens == 2 * 3).all()
     after = dict(tiny_gpt2.model.named_parameters())
     assert all(p.dtype == torch.float32 and torch.equal(p, after[name]) for name, p in before.items())
+
+
+def test_gather_bench_reports_the_copy_beside_the_attention_for_each_context_and_batch(tiny_llama):
+    table = bench_gather(GatherBench(model="tiny-llama", contexts=(16, 64), batches=(1, 4), repeats=2), tiny_llama)
+    assert [(r.context, r.batch) for r in table.itertuples()] == [(16, 1), (16, 4), (64, 1), (64, 4)]
+    assert (table.copy_ms > 0).all() and (table.attention_ms > 0).all()
+    # bytes copied grow with both: 64 positions (one width) at context 16 and 64 alike, 128 at 64+1
+    mib = table.set_index(["context", "batch"]).copied_MiB_per_step
+    assert mib[(16, 4)] == 4 * mib[(16, 1)] and mib[(64, 1)] == 2 * mib[(16, 1)]

@@ -132,11 +132,13 @@ class BatchEngine:
             emit(self._finish_event(seq))
 
     def _prefill(self, seqs: list[Sequence], emit: OnEvent) -> None:
-        """The prompts admitted in this step, prefilled together in packed passes."""
-        logits = self.runner.prefill_many([s.prompt_ids for s in seqs], [self.blocks.table(s.rid) for s in seqs])
-        self.counters["prefills"] += len(seqs)
-        for seq, row in zip(seqs, logits):
-            self._accept(seq, sample(row, seq.params, seq.generator), emit)
+        """The prompts admitted in this step, prefilled together in packed passes; each pass's
+        first tokens are emitted as soon as it ends."""
+        packs = self.runner.prefill_packs([s.prompt_ids for s in seqs], [self.blocks.table(s.rid) for s in seqs])
+        for group, logits in packs:
+            self.counters["prefills"] += len(group)
+            for i, row in zip(group, logits):
+                self._accept(seqs[i], sample(row, seqs[i].params, seqs[i].generator), emit)
 
     def _decode(self, batch: list[Sequence], emit: OnEvent) -> None:
         logits = self.runner.decode([s.pending for s in batch], [s.num_cached for s in batch],

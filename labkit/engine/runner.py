@@ -15,13 +15,14 @@ that.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from labkit.engine.attention import DEFAULT_SPAN, decode_attention, plan_decode, prefill_attention
+from labkit.engine.layers import Tiling, probe_chunk_rows
 from labkit.engine.networks import Network, build_network
 from labkit.models.loaded import LoadedModel
 
@@ -61,7 +62,8 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int,
                  device: str = "cpu", dtype: str = "float32",
-                 batch_invariant: bool = True, tile_rows: int = 8, max_prefill_tokens: int = 2048) -> None:
+                 batch_invariant: bool = True, tile_rows: int = 8, chunk_rows: int = 32,
+                 max_prefill_tokens: int = 128) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"ModelRunner dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
         if min(num_blocks, block_size, tile_rows, max_prefill_tokens) < 1:
@@ -74,9 +76,16 @@ class ModelRunner:
         self.block_size = block_size
         self.batch_invariant = batch_invariant
         self.tile_rows = tile_rows
-        self._tile = tile_rows if batch_invariant else None  # what linear() gets: None = plain matmuls
+        # what linear() gets: None = plain matmuls
+        self._tile = self._tiling(chunk_rows, tile_rows) if batch_invariant else None
         self.span = DEFAULT_SPAN
         self.max_prefill_tokens = max_prefill_tokens
+
+    def _tiling(self, chunk_rows: int, tile_rows: int) -> Tiling:
+        """Row chunks of the largest size up to ``chunk_rows`` that rounds alike for every weight
+        here, or exact bmm tiles of ``tile_rows`` where even 2-row calls do not."""
+        rows = min(probe_chunk_rows(w, chunk_rows) for w, _ in self.network.matmuls())
+        return Tiling(rows) if rows >= 2 else Tiling(tile_rows, exact=True)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -92,7 +101,6 @@ class ModelRunner:
         return float32 logits (vocab,) of the last position."""
         return self.prefill_many([token_ids], [block_table])[0]
 
-    @torch.inference_mode()
     def prefill_many(self, prompts: Sequence[Sequence[int]], block_tables: Sequence[Sequence[int]]) -> Tensor:
         """Prefill several prompts in packed passes: float32 logits (prompts, vocab), one row
         per prompt, of its last position.
@@ -101,23 +109,33 @@ class ModelRunner:
         blocks, so the matmuls see every prompt's rows at once; attention runs per prompt over
         its own rows, the same call as alone. In the batch-invariant mode the matmuls are tiled
         as in decode, so a prompt's logits (and the K/V it leaves) are bitwise those of its solo
-        prefill. Passes hold at most ``max_prefill_tokens`` rows (a longer prompt goes alone).
+        prefill. Passes hold at most ``max_prefill_tokens`` rows (a longer prompt goes alone): the
+        matmuls gain little from more rows than a chunk, and smaller passes let the engine hand
+        out the first passes' tokens sooner.
         """
+        parts = [logits for _, logits in self.prefill_packs(prompts, block_tables)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def prefill_packs(self, prompts: Sequence[Sequence[int]],
+                      block_tables: Sequence[Sequence[int]]) -> Iterator[tuple[list[int], Tensor]]:
+        """``prefill_many`` one pass at a time: yields (indices of the prompts in the pass, their
+        logits) as each pass ends, so a caller can hand out first tokens without waiting for
+        the last pass."""
         if len(prompts) != len(block_tables):
             raise ValueError(f"{len(prompts)} prompts but {len(block_tables)} block tables")
         for ids in prompts:
             if len(ids) == 0:
                 raise ValueError("prefill needs at least one token")
             self._check_positions(len(ids) - 1)
-        parts = [self._prefill_packed([prompts[i] for i in group], [block_tables[i] for i in group])
-                 for group in _packs([len(ids) for ids in prompts], self.max_prefill_tokens)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        for group in _packs([len(ids) for ids in prompts], self.max_prefill_tokens):
+            yield group, self._prefill_packed([prompts[i] for i in group], [block_tables[i] for i in group])
 
+    @torch.inference_mode()
     def _prefill_packed(self, prompts: list[Sequence[int]], block_tables: list[Sequence[int]]) -> Tensor:
         bs, tile, net = self.block_size, self._tile, self.network
         lengths = [len(ids) for ids in prompts]
         rows = sum(lengths)
-        padded = rows if tile is None else -(-rows // tile) * tile
+        padded = rows if tile is None else tile.padded(rows)
         filler = [0] * (padded - rows)  # filler rows: token 0 at position 0, never written or attended
         positions = [p for n in lengths for p in range(n)]
         slots = self._long([table[p // bs] * bs + p % bs for table, n in zip(block_tables, lengths) for p in range(n)])
@@ -135,7 +153,7 @@ class ModelRunner:
                 attn.append(attn[0].new_zeros(padded - rows, attn[0].shape[1]))
             x = net.finish(layer, x, attn[0] if len(attn) == 1 else torch.cat(attn), tile)
         last = [b - 1 for b in starts[1:]]
-        out_rows = len(last) if tile is None else -(-len(last) // tile) * tile
+        out_rows = len(last) if tile is None else tile.padded(len(last))
         x = x.index_select(0, self._long(last + [last[0]] * (out_rows - len(last))))
         return net.logits(x, tile)[:len(last)].float()
 
@@ -153,7 +171,7 @@ class ModelRunner:
                            span=self.span)
         rows = len(tokens)
         net, tile = self.network, self._tile
-        padded = rows if tile is None else -(-rows // tile) * tile
+        padded = rows if tile is None else tile.padded(rows)
         pad = [0] * (padded - rows)  # filler rows: token 0 at position 0, never written or attended
         pos = self._long([positions[r] for r in plan.order] + pad)
         x = net.embed(self._long([tokens[r] for r in plan.order] + pad), pos)
