@@ -213,17 +213,16 @@ def bench_gather(cfg: GatherBench = GatherBench(), loaded: LoadedModel | None = 
                 t0 = time.perf_counter()
                 for layer in range(shape.num_layers):
                     for g in plan.groups:
-                        pool.k[layer].index_select(1, g.blocks)
-                        pool.v[layer].index_select(1, g.blocks)
+                        pool.kv[layer].index_select(2, g.blocks)
                 t1 = time.perf_counter()
                 for layer in range(shape.num_layers):
-                    decode_attention(q, pool.k[layer], pool.v[layer], plan)
+                    decode_attention(q, pool.kv[layer], plan)
                 t2 = time.perf_counter()
                 copy_t.append(t1 - t0)
                 attn_t.append(t2 - t1)
             copy, attn = (1000 * statistics.median(t[1:]) for t in (copy_t, attn_t))
             mib = 2 * shape.num_layers * shape.num_kv_heads * batch * plan.groups[0].width * shape.head_dim \
-                * pool.k.element_size() / 2**20
+                * pool.kv.element_size() / 2**20
             rows_out.append({"context": context, "batch": batch, "copied_MiB_per_step": mib, "copy_ms": copy,
                              "attention_ms": attn, "copy_share": copy / attn})
             del runner

@@ -101,3 +101,20 @@ def test_each_pass_hands_out_its_first_tokens_before_the_next_pass_runs(tiny_gpt
     assert log == [("pass", 2), ("token", rids[0]), ("token", rids[1]),
                    ("pass", 2), ("token", rids[2]), ("token", rids[3]),
                    ("pass", 2), ("token", rids[4]), ("token", rids[5])]
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_smollm2_prompts_admitted_together_generate_what_each_generates_alone() -> None:
+    from labkit.models import load_model
+
+    loaded = load_model("smollm2-135m")
+    prompts = PROMPTS[:6]
+    together = make_engine(loaded, block_size=16)
+    rids = [together.submit(p, max_new_tokens=6, ignore_eos=True) for p in prompts]
+    outcomes = drain(together)
+    for prompt, rid in zip(prompts, rids):
+        alone = make_engine(loaded, block_size=16)
+        solo_rid = alone.submit(prompt, max_new_tokens=6, ignore_eos=True)
+        assert outcomes[rid].tokens == drain(alone)[solo_rid].tokens, prompt
+    assert outcomes[rids[0]].text.startswith(" Paris")

@@ -143,7 +143,8 @@ def gelu_tanh(x: Tensor) -> Tensor:
 
 
 class RopeTable:
-    """cos/sin of every position up to ``max_positions``, computed once, looked up per step.
+    """cos/sin of every position up to ``max_positions``, computed once, looked up per step;
+    the first half of ``sin`` is negated (the sign rotate-half would apply to ``x``).
 
     ``inv_freq`` and ``scaling`` come from the checkpoint's own rotary module, so any rope type
     whose frequencies do not change with sequence length is reproduced exactly.
@@ -155,7 +156,10 @@ class RopeTable:
         freqs = positions[:, None] * inv_freq.float().cpu()[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         self.cos = (angles.cos() * scaling).to(device=device, dtype=dtype)
-        self.sin = (angles.sin() * scaling).to(device=device, dtype=dtype)
+        sin = angles.sin() * scaling
+        half = sin.shape[-1] // 2
+        # rotate-half's minus sign moved into the table: (-a) * s == a * (-s) exactly
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=device, dtype=dtype)
 
     def lookup(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin for each row, shaped (rows, 1, head_dim) to broadcast over heads;
@@ -164,6 +168,7 @@ class RopeTable:
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` (rows, heads, head_dim) by its row's angles (rotate-half convention)."""
+    """Rotate ``x`` (rows, heads, head_dim) by its row's angles (rotate-half convention);
+    ``sin`` carries rotate-half's sign in its first half (see ``RopeTable``)."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin

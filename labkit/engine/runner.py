@@ -30,31 +30,40 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class KVPool:
-    """Keys and values for every layer: (layers, kv_heads, num_blocks, block_size, head_dim) each.
+    """Keys and values for every layer, in one tensor: (layers, 2, kv_heads, num_blocks,
+    block_size, head_dim), keys at index 0 of the second axis and values at 1.
 
-    Heads come before blocks so that gathering a row's blocks yields, per head, one contiguous
-    run of positions, which attention can read without another copy. Zero-filled, so a masked
-    slot that was never written still holds a finite number.
+    Keys and values of a layer sit side by side so that one gather reads a row's blocks of both. Heads come before blocks so that gathering a
+    row's blocks yields, per head, one contiguous run of positions, which attention can read
+    without another copy. Zero-filled, so a masked slot that was never written still holds a
+    finite number.
     """
 
     def __init__(self, network: Network, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         s = network.shape
-        size = (s.num_layers, s.num_kv_heads, num_blocks, block_size, s.head_dim)
-        self.k = torch.zeros(size, dtype=dtype, device=device)
-        self.v = torch.zeros(size, dtype=dtype, device=device)
+        size = (s.num_layers, 2, s.num_kv_heads, num_blocks, block_size, s.head_dim)
+        self.kv = torch.zeros(size, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @property
+    def k(self) -> Tensor:
+        """Every layer's keys, (layers, kv_heads, num_blocks, block_size, head_dim) (a view)."""
+        return self.kv[:, 0]
+
+    @property
+    def v(self) -> Tensor:
+        return self.kv[:, 1]
+
+    @property
     def bytes_per_block(self) -> int:
-        per_tensor = self.k.element_size() * self.k.numel() // self.num_blocks
-        return 2 * per_tensor
+        return self.kv.element_size() * self.kv.numel() // self.num_blocks
 
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Store k/v (rows, kv_heads, d) at flat slots (block * block_size + offset)."""
-        heads, _, _, dim = self.k.shape[1:]
-        self.k[layer].view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
-        self.v[layer].view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))
+        flat = self.kv[layer].view(2, self.kv.shape[2], -1, self.kv.shape[-1])
+        flat[0].index_copy_(1, slots, k.transpose(0, 1))
+        flat[1].index_copy_(1, slots, v.transpose(0, 1))
 
 
 class ModelRunner:
@@ -179,8 +188,10 @@ class ModelRunner:
         for layer in range(net.shape.num_layers):
             q, k, v = net.qkv(layer, x, at, tile)
             self.pool.write(layer, plan.slots, k[:rows], v[:rows])
-            attn = decode_attention(q[:rows], self.pool.k[layer], self.pool.v[layer], plan)
-            x = net.finish(layer, x, F.pad(attn, (0, 0, 0, padded - rows)), tile)
+            attn = decode_attention(q[:rows], self.pool.kv[layer], plan)
+            if padded > rows:
+                attn = F.pad(attn, (0, 0, 0, padded - rows))
+            x = net.finish(layer, x, attn, tile)
         x = x.index_select(0, self._long(plan.inverse + list(range(rows, padded))))
         return net.logits(x, tile)[:rows].float()
 
