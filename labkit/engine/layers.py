@@ -17,7 +17,7 @@ Two facts about CPU kernels shape this file (both measured on the lab machine):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,10 @@ class Tiling:
 
     rows: int
     exact: bool = False
+    by_weight: dict[int, int] = field(default_factory=dict, repr=False)  # id(weight) -> its own chunk
+
+    def rows_for(self, weight: Tensor) -> int:
+        return self.by_weight.get(id(weight), self.rows)
 
     def padded(self, rows: int) -> int:
         """Rows the runner must hand ``linear`` for ``rows`` real ones."""
@@ -63,7 +67,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, tiling: Tiling | None
     """
     if tiling is None:
         return torch.matmul(x, weight) if bias is None else torch.addmm(bias, x, weight)
-    rows, step = x.shape[0], tiling.rows
+    rows, step = x.shape[0], tiling.rows_for(weight)
     if tiling.exact:
         out = _tiled(x, weight, step)
     elif rows <= step:

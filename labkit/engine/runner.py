@@ -26,6 +26,7 @@ from labkit.engine.layers import Tiling, probe_chunk_rows
 from labkit.engine.networks import Network, build_network
 from labkit.models.loaded import LoadedModel
 
+_BIG_WEIGHT = 32 << 20  # bytes; see ModelRunner._tiling
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -83,18 +84,26 @@ class ModelRunner:
         self.network = build_network(loaded, self.dtype, self.device)
         self.pool = KVPool(self.network, num_blocks, block_size, self.dtype, self.device)
         self.block_size = block_size
+        self.span = DEFAULT_SPAN
+        self.max_prefill_tokens = max_prefill_tokens
         self.batch_invariant = batch_invariant
         self.tile_rows = tile_rows
         # what linear() gets: None = plain matmuls
         self._tile = self._tiling(chunk_rows, tile_rows) if batch_invariant else None
-        self.span = DEFAULT_SPAN
-        self.max_prefill_tokens = max_prefill_tokens
 
     def _tiling(self, chunk_rows: int, tile_rows: int) -> Tiling:
-        """Row chunks of the largest size up to ``chunk_rows`` that rounds alike for every weight
-        here, or exact bmm tiles of ``tile_rows`` where even 2-row calls do not."""
-        rows = min(probe_chunk_rows(w, chunk_rows) for w, _ in self.network.matmuls())
-        return Tiling(rows) if rows >= 2 else Tiling(tile_rows, exact=True)
+        """For each weight, row chunks of the largest size that rounds alike (up to
+        ``max_prefill_tokens`` rows, so a prefill pass is one call, but at most ``chunk_rows``
+        for weights over ``_BIG_WEIGHT`` bytes, which only the last rows of each prompt or a
+        decode batch meet and which are slow to probe); exact bmm tiles of ``tile_rows`` if any
+        weight rounds 2-row calls differently."""
+        sizes = {}
+        for w, _ in self.network.matmuls():
+            big = w.numel() * w.element_size() > _BIG_WEIGHT
+            sizes[id(w)] = probe_chunk_rows(w, chunk_rows if big else max(chunk_rows, self.max_prefill_tokens))
+        if min(sizes.values()) < 2:
+            return Tiling(tile_rows, exact=True)
+        return Tiling(min(sizes.values()), by_weight=sizes)
 
     @property
     def kv_bytes_per_block(self) -> int:
