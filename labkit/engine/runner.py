@@ -7,11 +7,12 @@ offset ``p % block_size``.
 
 Prefill runs the prompts admitted together in one packed pass, each with its own positions and
 blocks; decode runs one token for each of many sequences in one pass. With ``batch_invariant``
-(the default) every matmul, prefill and decode, works on row tiles of ``tile_rows`` rows, each
+(the default) every matmul, prefill and decode, goes through calls whose rounding was checked at
+start-up not to depend on the number of rows (``layers.Tiling``, ``probe_chunk_rows``), each
 prompt attends over its own rows only, and each decoding sequence's attention has a shape set by
 its own length (see ``layers.py`` and ``attention.py``), so a sequence's logits are bitwise the
 same whether it is prefilled or decoded alone or beside any neighbours; the tests check exactly
-that.
+that. The check runs in the thread count of the moment: set threads before making the runner.
 """
 from __future__ import annotations
 
