@@ -1,7 +1,11 @@
 """Benchmarks: ratios measured in one run, never asserted by tests.
 
-``step``: the median decode step with no prefill in it, for several batch sizes, beside a bare
-transformers forward over the same batch and context. ``generate``: many requests through the
+``step``: the median decode step with no prefill in it, for several batch sizes, in both modes
+(batch-invariant and plain), beside a bare transformers forward over the same batch and context
+and beside the step's floor: its matrix products alone (every layer's and the lm head's, same
+shapes, same weights, same threads), which is what a step cannot go below. ``gather``: what the paged decode's
+per-layer copy of each row's cached K and V into one contiguous tensor costs, as context and
+batch grow, beside the whole attention it feeds. ``generate``: many requests through the
 engine at once, against the same requests one after another, and against transformers' own
 continuous batching (``generate_batch``), once with a cache sized to the work (as the engine's
 is) and once left to size its own. Each request makes exactly ``new_tokens`` unless
@@ -19,9 +23,11 @@ from typing import Iterator
 import pandas as pd
 import torch
 
+from labkit.engine.attention import decode_attention, plan_decode
 from labkit.engine.config import EngineConfig
 from labkit.engine.engine import BatchEngine
 from labkit.engine.events import TokenEvent
+from labkit.engine.layers import linear
 from labkit.models import LoadedModel, load_model
 from labkit.prompts import PROMPTS
 
@@ -34,6 +40,7 @@ class StepBench:
     steps: int = 15
     warmup: int = 3
     dtype: str = "float32"
+    rounds: int = 1  # every column measured this many times, interleaved; the table shows medians
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,8 @@ def _context_ids(loaded: LoadedModel, batch: int, context: int) -> list[list[int
     return [ids[i : i + context] for i in range(batch)]
 
 
-def _engine_step_ms(loaded: LoadedModel, prompts: list[list[int]], cfg: StepBench, invariant: bool) -> float:
+def _engine_step_ms(loaded: LoadedModel, prompts: list[list[int]], cfg: StepBench,
+                    invariant: bool) -> tuple[float, BatchEngine]:
     batch = len(prompts)
     engine = BatchEngine(loaded, EngineConfig(max_batch=batch, dtype=cfg.dtype, batch_invariant=invariant,
                                               num_blocks=batch * (-(-(cfg.context + cfg.steps + cfg.warmup + 2) // 16))))
@@ -66,6 +74,30 @@ def _engine_step_ms(loaded: LoadedModel, prompts: list[list[int]], cfg: StepBenc
     for _ in range(cfg.warmup + cfg.steps):
         t0 = time.perf_counter()
         engine.step()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times[cfg.warmup :]), engine
+
+
+@torch.inference_mode()
+def _matmul_floor_ms(engine: BatchEngine, batch: int, cfg: StepBench, *, as_engine: bool) -> float:
+    """The step's matrix products alone, on random rows: every (weight, bias) the forward
+    multiplies by, once each, through ``layers.linear``.
+
+    ``as_engine=False`` is the floor: plain matmuls over exactly ``batch`` rows. ``as_engine=True``
+    makes them the way the engine's own mode does (padded rows, tiles), which shows how much of
+    the step the batch-invariant matmuls themselves cost.
+    """
+    runner = engine.runner
+    tile = runner._tile if as_engine else None
+    rows = batch if tile is None else tile.padded(batch)
+    products = runner.network.matmuls()
+    inputs = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=runner.dtype, device=runner.device)
+              for w, _ in products}
+    times = []
+    for _ in range(cfg.warmup + cfg.steps):
+        t0 = time.perf_counter()
+        for weight, bias in products:
+            linear(inputs[weight.shape[0]], weight, bias, tile)
         times.append(time.perf_counter() - t0)
     return 1000 * statistics.median(times[cfg.warmup :])
 
@@ -107,18 +139,94 @@ def _time_bare_forward(model: torch.nn.Module, prompts: list[list[int]], cfg: St
     return 1000 * statistics.median(times[cfg.warmup :])
 
 
+def _step_row(loaded: LoadedModel, batch: int, cfg: StepBench) -> dict[str, float]:
+    """One measurement of every column for one batch size, taken back to back."""
+    prompts = _context_ids(loaded, batch, cfg.context)
+    bare = _bare_forward_ms(loaded, prompts, cfg)
+    invariant, engine = _engine_step_ms(loaded, prompts, cfg, invariant=True)
+    floor = _matmul_floor_ms(engine, batch, cfg, as_engine=False)
+    invariant_matmuls = _matmul_floor_ms(engine, batch, cfg, as_engine=True)
+    del engine
+    plain, _ = _engine_step_ms(loaded, prompts, cfg, invariant=False)
+    return {"bare_forward_ms": bare, "engine_step_ms": invariant, "engine_plain_ms": plain,
+            "matmul_floor_ms": floor, "invariant_matmuls_ms": invariant_matmuls}
+
+
 def bench_step(cfg: StepBench = StepBench(), loaded: LoadedModel | None = None) -> pd.DataFrame:
+    """One row per batch size: times in ms and the ratios the engine is steered by.
+
+    ``engine_step_ms`` is the batch-invariant mode, ``engine_plain_ms`` the plain one;
+    ``matmul_floor_ms`` their matrix products alone as plain matmuls, ``invariant_matmuls_ms``
+    the same products as the invariant mode makes them. With ``rounds`` > 1 every column is
+    measured that many times, the batch sizes interleaved, and each cell is the median.
+    """
     loaded = loaded or load_model(cfg.model)
+    samples: dict[int, list[dict[str, float]]] = {batch: [] for batch in cfg.batches}
+    for _ in range(max(1, cfg.rounds)):
+        for batch in cfg.batches:
+            samples[batch].append(_step_row(loaded, batch, cfg))
     rows = []
-    for batch in cfg.batches:
-        prompts = _context_ids(loaded, batch, cfg.context)
-        bare = _bare_forward_ms(loaded, prompts, cfg)
-        invariant = _engine_step_ms(loaded, prompts, cfg, invariant=True)
-        plain = _engine_step_ms(loaded, prompts, cfg, invariant=False)
-        rows.append({"batch": batch, "bare_forward_ms": bare, "engine_step_ms": invariant,
-                     "engine_plain_ms": plain, "engine/bare": invariant / bare,
-                     "invariant/plain": invariant / plain})
+    for batch, runs in samples.items():
+        t = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+        inv, plain, bare, floor = t["engine_step_ms"], t["engine_plain_ms"], t["bare_forward_ms"], t["matmul_floor_ms"]
+        rows.append({"batch": batch, **t, "engine/bare": inv / bare, "plain/bare": plain / bare,
+                     "engine/floor": inv / floor, "plain/floor": plain / floor, "invariant/plain": inv / plain})
     return pd.DataFrame(rows)
+
+
+@dataclass(frozen=True)
+class GatherBench:
+    model: str = "smollm2-135m"
+    contexts: tuple[int, ...] = (64, 256, 1024)
+    batches: tuple[int, ...] = (1, 8, 32)
+    repeats: int = 5
+    dtype: str = "float32"
+
+
+@torch.inference_mode()
+def bench_gather(cfg: GatherBench = GatherBench(), loaded: LoadedModel | None = None) -> pd.DataFrame:
+    """Per decode step (all layers): the K/V gather alone, and the attention that contains it.
+
+    The copy is what attention reading straight from the block pool would save; ``copy_share``
+    is its part of the attention time (the rest of the step, the matmuls, does not change).
+    Random block tables over a pool sized to the work, random queries; medians of ``repeats``.
+    """
+    from labkit.engine.runner import ModelRunner
+
+    loaded = loaded or load_model(cfg.model)
+    rows_out = []
+    for context in cfg.contexts:
+        for batch in cfg.batches:
+            per_seq = -(-(context + 1) // 16)
+            runner = ModelRunner(loaded, num_blocks=batch * per_seq, block_size=16, dtype=cfg.dtype,
+                                 batch_invariant=False)
+            shape = runner.network.shape
+            gen = torch.Generator().manual_seed(context * 100 + batch)
+            order = torch.randperm(batch * per_seq, generator=gen).tolist()
+            tables = [order[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
+            plan = plan_decode([context] * batch, tables, 16, invariant=True, kv_heads=shape.num_kv_heads,
+                               dtype=runner.dtype, device=runner.device)
+            q = torch.randn(batch, shape.num_heads, shape.head_dim, dtype=runner.dtype)
+            pool = runner.pool
+            copy_t, attn_t = [], []
+            for _ in range(cfg.repeats + 1):
+                t0 = time.perf_counter()
+                for layer in range(shape.num_layers):
+                    for g in plan.groups:
+                        pool.kv[layer].index_select(2, g.blocks)
+                t1 = time.perf_counter()
+                for layer in range(shape.num_layers):
+                    decode_attention(q, pool.kv[layer], plan)
+                t2 = time.perf_counter()
+                copy_t.append(t1 - t0)
+                attn_t.append(t2 - t1)
+            copy, attn = (1000 * statistics.median(t[1:]) for t in (copy_t, attn_t))
+            mib = 2 * shape.num_layers * shape.num_kv_heads * batch * plan.groups[0].width * shape.head_dim \
+                * pool.kv.element_size() / 2**20
+            rows_out.append({"context": context, "batch": batch, "copied_MiB_per_step": mib, "copy_ms": copy,
+                             "attention_ms": attn, "copy_share": copy / attn})
+            del runner
+    return pd.DataFrame(rows_out)
 
 
 def _engine_run(loaded: LoadedModel, prompts: list[str], cfg: GenerateBench,

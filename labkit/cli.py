@@ -43,11 +43,12 @@ def _add_bench(sub) -> None:
     from labkit.engine.config import _DTYPES as DTYPES  # the one list (light: no torch)
 
     p = sub.add_parser("bench", help="benchmarks: decode-step cost and generation throughput")
-    p.add_argument("what", choices=["step", "generate"])
+    p.add_argument("what", choices=["step", "generate", "gather"])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--batches", default="1,2,4,8,16,32", help="step: comma-separated batch sizes")
     p.add_argument("--context", type=int, default=64, help="step: tokens already in each sequence's cache")
+    p.add_argument("--rounds", type=int, default=1, help="step: measure every cell this many times, interleaved")
     p.add_argument("--requests", type=int, default=32, help="generate: number of requests")
     p.add_argument("--new-tokens", type=int, default=64, help="generate: tokens per request")
     p.add_argument("--no-generate-batch", action="store_true", help="generate: skip transformers' generate_batch")
@@ -64,8 +65,10 @@ def _bench(args) -> None:
 
     if args.what == "step":
         step = bench.StepBench(model=args.model, batches=tuple(int(b) for b in args.batches.split(",")),
-                               context=args.context, dtype=args.dtype)
+                               context=args.context, dtype=args.dtype, rounds=args.rounds)
         table = bench.bench_step(step)
+    elif args.what == "gather":
+        table = bench.bench_gather(bench.GatherBench(model=args.model, dtype=args.dtype))
     else:
         cfg = bench.GenerateBench(model=args.model, requests=args.requests, new_tokens=args.new_tokens,
                                   dtype=args.dtype, with_generate_batch=not args.no_generate_batch,

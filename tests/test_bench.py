@@ -2,15 +2,37 @@
 import torch
 
 from engine_helpers import solo, with_eos
-from labkit.bench import GenerateBench, StepBench, bench_generate, bench_step
+from labkit.bench import GatherBench, GenerateBench, StepBench, bench_gather, bench_generate, bench_step
 from labkit.prompts import PROMPTS
 
 
-def test_step_bench_reports_bare_invariant_and_plain_times_per_batch(tiny_gpt2):
+def test_step_bench_reports_bare_invariant_plain_and_floor_times_per_batch(tiny_gpt2):
     table = bench_step(StepBench(model="tiny-gpt2", batches=(1, 3), context=16, steps=3, warmup=1), tiny_gpt2)
     assert list(table.batch) == [1, 3]
-    for column in ("bare_forward_ms", "engine_step_ms", "engine_plain_ms", "engine/bare", "invariant/plain"):
+    for column in ("bare_forward_ms", "engine_step_ms", "engine_plain_ms", "matmul_floor_ms", "invariant_matmuls_ms",
+                   "engine/bare", "plain/bare", "engine/floor", "plain/floor", "invariant/plain"):
         assert (table[column] > 0).all(), column
+    row = table.iloc[-1]
+    assert row["engine/floor"] == row.engine_step_ms / row.matmul_floor_ms
+    assert row["plain/bare"] == row.engine_plain_ms / row.bare_forward_ms
+
+
+def test_step_bench_takes_the_median_of_interleaved_rounds(tiny_gpt2, monkeypatch):
+    import labkit.bench as bench
+
+    calls = []
+    times = iter([10.0, 30.0, 20.0, 1.0, 2.0, 3.0])
+
+    def fake_row(loaded, batch, cfg):
+        calls.append(batch)
+        t = next(times)
+        return {"bare_forward_ms": t, "engine_step_ms": t, "engine_plain_ms": t, "matmul_floor_ms": t,
+                "invariant_matmuls_ms": t}
+
+    monkeypatch.setattr(bench, "_step_row", fake_row)
+    table = bench_step(StepBench(model="tiny-gpt2", batches=(1, 2), rounds=3), tiny_gpt2)
+    assert calls == [1, 2, 1, 2, 1, 2]  # interleaved, not one batch size after the other
+    assert list(table.engine_step_ms) == [10.0, 3.0]  # medians of (10, 20, 2) and (30, 1, 3)
 
 
 def test_generate_bench_runs_every_request_to_its_length_three_ways(tiny_gpt2):
@@ -37,3 +59,12 @@ def test_benches_in_bfloat16_leave_the_loaded_float32_weights_untouched(tiny_gpt
     assert (bench_generate(cfg, tiny_gpt2).tokens == 2 * 3).all()
     after = dict(tiny_gpt2.model.named_parameters())
     assert all(p.dtype == torch.float32 and torch.equal(p, after[name]) for name, p in before.items())
+
+
+def test_gather_bench_reports_the_copy_beside_the_attention_for_each_context_and_batch(tiny_llama):
+    table = bench_gather(GatherBench(model="tiny-llama", contexts=(16, 64), batches=(1, 4), repeats=2), tiny_llama)
+    assert [(r.context, r.batch) for r in table.itertuples()] == [(16, 1), (16, 4), (64, 1), (64, 4)]
+    assert (table.copy_ms > 0).all() and (table.attention_ms > 0).all()
+    # bytes copied grow with both: 64 positions (one width) at context 16 and 64 alike, 128 at 64+1
+    mib = table.set_index(["context", "batch"]).copied_MiB_per_step
+    assert mib[(16, 4)] == 4 * mib[(16, 1)] and mib[(64, 1)] == 2 * mib[(16, 1)]

@@ -99,17 +99,17 @@ def _padded_table(table: Sequence[int], num_blocks: int) -> list[int]:
     return table + [table[0]] * (num_blocks - len(table))
 
 
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: DecodePlan) -> Tensor:
+def decode_attention(q: Tensor, kv_cache: Tensor, plan: DecodePlan) -> Tensor:
     """One query per row against its cached keys and values.
 
-    ``q`` is (rows, heads, d) in plan order; ``k_cache``/``v_cache`` are one layer's pool,
-    (kv_heads, num_blocks, block_size, d). Returns (rows, heads * d).
+    ``q`` is (rows, heads, d) in plan order; ``kv_cache`` is one layer's pool, keys then values,
+    (2, kv_heads, num_blocks, block_size, d). Returns (rows, heads * d).
     """
-    outputs = [_attend_group(q[g.start:g.stop], k_cache, v_cache, g) for g in plan.groups]
+    outputs = [_attend_group(q[g.start:g.stop], kv_cache, g) for g in plan.groups]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-def _attend_group(q: Tensor, k_cache: Tensor, v_cache: Tensor, g: Group) -> Tensor:
+def _attend_group(q: Tensor, kv_cache: Tensor, g: Group) -> Tensor:
     """Plain batched matmuls on contiguous (kv_heads * rows)-batches of one shape.
 
     Every tensor here is laid out the same way whatever the number of rows, because the
@@ -118,10 +118,10 @@ def _attend_group(q: Tensor, k_cache: Tensor, v_cache: Tensor, g: Group) -> Tens
     Query heads that share a KV head (grouped-query attention) become extra query rows.
     """
     rows, heads, dim = q.shape
-    kv_heads = k_cache.shape[0]
+    kv_heads = kv_cache.shape[1]
     batch = kv_heads * rows
-    keys = k_cache.index_select(1, g.blocks).view(batch, g.width, dim)
-    values = v_cache.index_select(1, g.blocks).view(batch, g.width, dim)
+    gathered = kv_cache.index_select(2, g.blocks)  # one copy of the row's blocks, keys and values
+    keys, values = gathered[0].view(batch, g.width, dim), gathered[1].view(batch, g.width, dim)
     queries = q.reshape(rows, kv_heads, heads // kv_heads, dim).transpose(0, 1).reshape(batch, -1, dim)
     scores = torch.baddbmm(g.bias, queries, keys.transpose(1, 2), alpha=dim ** -0.5)
     if q.dtype == torch.float32:

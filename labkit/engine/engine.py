@@ -134,8 +134,8 @@ class BatchEngine:
 
             self._apply_inbox(emit)
             admitted = self.scheduler.admit()
-            for seq in admitted:
-                self._prefill(seq, emit)
+            if admitted:
+                self._prefill(admitted, emit)
             batch = self.scheduler.decodable(exclude=admitted)
             if batch:
                 self._decode(batch, emit)
@@ -156,10 +156,13 @@ class BatchEngine:
         for seq in cancelled:
             emit(self._finish_event(seq))
 
-    def _prefill(self, seq: Sequence, emit: OnEvent) -> None:
-        logits = self.runner.prefill(seq.prompt_ids, self.blocks.table(seq.number))
-        self.counters["prefills"] += 1
-        self._accept_all([seq], logits.unsqueeze(0), emit)
+    def _prefill(self, seqs: list[Sequence], emit: OnEvent) -> None:
+        """The prompts admitted in this step, prefilled together in packed passes; each pass's
+        first tokens are sampled and emitted as soon as it ends."""
+        packs = self.runner.prefill_packs([s.prompt_ids for s in seqs], [self.blocks.table(s.number) for s in seqs])
+        for group, logits in packs:
+            self.counters["prefills"] += len(group)
+            self._accept_all([seqs[i] for i in group], logits, emit)
 
     def _decode(self, batch: list[Sequence], emit: OnEvent) -> None:
         logits = self.runner.decode([s.pending for s in batch], [s.num_cached for s in batch],

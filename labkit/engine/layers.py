@@ -2,11 +2,13 @@
 
 Two facts about CPU kernels shape this file (both measured on the lab machine):
 
-* A matmul's rounding depends on how many rows it has: one row takes a different kernel from
-  two, and a 1536x576 weight gives different bits for 17+ rows than for 2-16. ``linear`` with
-  ``tile_rows`` therefore always multiplies row tiles of exactly that many rows (one batched
-  matmul over the tiles; the runner pads the batch with filler rows to whole tiles), so each
-  row meets the same kernel whatever the batch size.
+* A matmul's rounding can depend on how many rows it has: one row takes a matrix-vector kernel
+  that rounds differently from two. With the weight stored (out, in) (``F.linear``'s layout) rows
+  2-15 and rows 16+ round differently again; stored (in, out), every call of 2..thousands of rows
+  rounded each row alike on one thread, and 2..16 did on two (a 1536-wide input split its
+  reduction past 16 rows). So ``linear`` multiplies (in, out) weights in calls of 2..``rows``
+  rows, ``rows`` checked on this machine when the runner starts (``probe_chunk_rows``); where
+  no such size exists it falls back to bmm tiles of an exact size (see ``Tiling``).
 * Fused elementwise kernels (``F.silu``, ``F.gelu``, ``torch.sigmoid``) compute the ragged end
   of a tensor with a scalar routine that rounds differently from the vector one, so whether a
   row lands in that end depends on the batch size. ``exp``, ``tanh``, ``sqrt``, ``+ - * /``
@@ -15,6 +17,7 @@ Two facts about CPU kernels shape this file (both measured on the lab machine):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,26 +30,95 @@ from torch import Tensor
 CHUNK_BYTES = 2 << 20
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None, tile_rows: int | None) -> Tensor:
-    """``x @ weight.T + bias`` for ``x`` of shape (rows, in); ``weight`` is (out, in).
+@dataclass(frozen=True)
+class Tiling:
+    """How the batch-invariant mode multiplies rows by a weight so that a row never feels the others.
 
-    With ``tile_rows`` (rows must be a multiple of it: the runner pads the batch once per step)
-    the rows are multiplied tile by tile in one ``bmm``, so a row's result is bitwise the same
-    at any batch size and any position in its tile. Without it, one plain matmul (faster,
-    batch-dependent rounding).
+    ``exact=False`` (chunks): the rows go through plain ``mm`` calls of 2..``rows`` rows each, the
+    weight stored (in, out). On the lab's CPUs every such call rounds each row alike, whatever
+    its neighbours and however many there are (the runner checks this with ``probe_chunk_rows``
+    before relying on it), and a 2-row call costs what a 1-row one does, so a single sequence
+    pays nothing and a batch of ``rows`` pays one efficient call. One row alone is never
+    multiplied: it takes a different (matrix-vector) kernel.
+    ``exact=True`` (tiles): every call is a ``bmm`` over tiles of exactly ``rows`` rows, the
+    runner padding the batch to whole tiles; invariant on any backend, slower (the fallback).
     """
-    if tile_rows is None:
-        return F.linear(x, weight, bias)
+
+    rows: int
+    exact: bool = False
+    by_weight: dict[int, int] = field(default_factory=dict, repr=False)  # id(weight) -> its own chunk
+
+    def rows_for(self, weight: Tensor) -> int:
+        return self.by_weight.get(id(weight), self.rows)
+
+    def padded(self, rows: int) -> int:
+        """Rows the runner must hand ``linear`` for ``rows`` real ones."""
+        if self.exact:
+            return -(-rows // self.rows) * self.rows
+        return max(rows, 2)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, tiling: Tiling | None) -> Tensor:
+    """``x @ weight + bias`` for ``x`` of shape (rows, in); ``weight`` is stored (in, out).
+
+    Without ``tiling``, one plain matmul (fastest, rounding depends on the number of rows).
+    With it, a row's result is bitwise the same at any batch size and any place in the batch
+    (see ``Tiling``); ``x`` must have ``tiling.padded(n)`` rows.
+    """
+    if tiling is None:
+        return torch.matmul(x, weight) if bias is None else torch.addmm(bias, x, weight)
+    rows, step = x.shape[0], tiling.rows_for(weight)
+    if tiling.exact:
+        out = _tiled(x, weight, step)
+    elif rows <= step:
+        assert rows >= 2, "one row alone takes the matrix-vector kernel: pad it (Tiling.padded)"
+        out = torch.mm(x, weight)
+    else:
+        parts = [torch.mm(x[a:a + step], weight) for a in range(0, rows - rows % step, step)]
+        if rows % step == 1:  # a lone last row rides in a 2-row call with its neighbour
+            parts.append(torch.mm(x[-2:], weight)[1:])
+        elif rows % step:
+            parts.append(torch.mm(x[rows - rows % step:], weight))
+        out = torch.cat(parts)
+    return out if bias is None else out + bias
+
+
+def _tiled(x: Tensor, weight: Tensor, tile_rows: int) -> Tensor:
+    """One ``bmm`` over tiles of exactly ``tile_rows`` rows (weight in column chunks if large)."""
     rows = x.shape[0]
     assert rows % tile_rows == 0, f"{rows} rows are not whole tiles of {tile_rows}"
     tiles = x.view(rows // tile_rows, tile_rows, -1)
     if weight.numel() * weight.element_size() <= CHUNK_BYTES:
-        out = torch.bmm(tiles, weight.t().expand(tiles.shape[0], -1, -1)).view(rows, -1)
-    else:
-        chunk = CHUNK_BYTES // (weight.shape[1] * weight.element_size())
-        parts = [torch.bmm(tiles, w.t().expand(tiles.shape[0], -1, -1)) for w in weight.split(chunk)]
-        out = torch.cat(parts, dim=-1).view(rows, -1)
-    return out if bias is None else out + bias
+        return torch.bmm(tiles, weight.expand(tiles.shape[0], -1, -1)).view(rows, -1)
+    chunk = CHUNK_BYTES // (weight.shape[0] * weight.element_size())
+    parts = [torch.bmm(tiles, w.expand(tiles.shape[0], -1, -1)) for w in weight.split(chunk, dim=1)]
+    return torch.cat(parts, dim=-1).view(rows, -1)
+
+
+_PROBED: dict[tuple, int] = {}
+
+
+def probe_chunk_rows(weight: Tensor, most: int) -> int:
+    """The largest n <= ``most`` such that ``mm`` calls of 2..n rows give every row the same bits
+    wherever it sits (0 if not even 2 does), tried on random rows in this process's thread
+    count. Cached per weight shape, dtype, device and thread count.
+
+    Kernel libraries choose their routes from the shapes (and the threads), not the values, so
+    random rows find the same routes the model's rows will take.
+    """
+    key = (tuple(weight.shape), weight.dtype, weight.device.type, torch.get_num_threads(), most)
+    if key not in _PROBED:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(2 * most, weight.shape[0], generator=gen).to(weight.dtype).to(weight.device)
+        reference = torch.cat([torch.mm(x[i:i + 2], weight) for i in range(0, 2 * most, 2)])
+        good = 0
+        for n in range(2, most + 1):
+            picks = torch.randperm(2 * most, generator=gen)[:n].to(weight.device)
+            if not torch.equal(torch.mm(x[picks], weight), reference[picks]):
+                break
+            good = n
+        _PROBED[key] = good
+    return _PROBED[key]
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
@@ -75,7 +147,8 @@ def gelu_tanh(x: Tensor) -> Tensor:
 
 
 class RopeTable:
-    """cos/sin of every position up to ``max_positions``, computed once, looked up per step.
+    """cos/sin of every position up to ``max_positions``, computed once, looked up per step;
+    the first half of ``sin`` is negated (the sign rotate-half would apply to ``x``).
 
     ``inv_freq`` and ``scaling`` come from the checkpoint's own rotary module, so any rope type
     whose frequencies do not change with sequence length is reproduced exactly.
@@ -87,7 +160,10 @@ class RopeTable:
         freqs = positions[:, None] * inv_freq.float().cpu()[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         self.cos = (angles.cos() * scaling).to(device=device, dtype=dtype)
-        self.sin = (angles.sin() * scaling).to(device=device, dtype=dtype)
+        sin = angles.sin() * scaling
+        half = sin.shape[-1] // 2
+        # rotate-half's minus sign moved into the table: (-a) * s == a * (-s) exactly
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=device, dtype=dtype)
 
     def lookup(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin for each row, shaped (rows, 1, head_dim) to broadcast over heads;
@@ -96,6 +172,7 @@ class RopeTable:
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` (rows, heads, head_dim) by its row's angles (rotate-half convention)."""
+    """Rotate ``x`` (rows, heads, head_dim) by its row's angles (rotate-half convention);
+    ``sin`` carries rotate-half's sign in its first half (see ``RopeTable``)."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from labkit.engine.layers import RopeTable, gelu_tanh, layer_norm, linear, rms_norm, rotate, silu
+from labkit.engine.layers import RopeTable, Tiling, gelu_tanh, layer_norm, linear, rms_norm, rotate, silu
 from labkit.errors import UnknownModel
 from labkit.models.loaded import LoadedModel
 
-Tile = int | None  # rows per matmul tile, or None for plain matmuls
+Tile = Tiling | None  # how the invariant mode multiplies, or None for plain matmuls
 
 
 @dataclass
@@ -38,11 +38,11 @@ class Network:
     """What the runner calls; subclasses hold the weights of one architecture."""
 
     shape: Shape
-    lm_head: Tensor  # (vocab, hidden)
+    lm_head: Tensor  # (hidden, vocab): every matmul weight is stored (in, out), see layers.linear
 
     @property
     def vocab_size(self) -> int:
-        return self.lm_head.shape[0]
+        return self.lm_head.shape[1]
 
     def embed(self, ids: Tensor, positions: Tensor) -> Tensor:
         raise NotImplementedError
@@ -62,12 +62,18 @@ class Network:
     def logits(self, x: Tensor, tile: Tile) -> Tensor:
         raise NotImplementedError
 
+    def matmuls(self) -> list[tuple[Tensor, Tensor | None]]:
+        """(weight, bias) of every matrix product one forward makes, in order, lm head last:
+        what the benchmark times alone as the step's floor."""
+        raise NotImplementedError
+
 
 def build_network(loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> Network:
     """The network for ``loaded.arch`` with its weights in ``dtype`` on ``device``.
 
-    Weights already in that dtype and place are shared with the HF model, not copied; fused
-    (q/k/v, gate/up) and transposed (GPT-2's Conv1D) ones are new tensors.
+    Matmul weights are stored (in, out). GPT-2's Conv1D weights already are, and are shared
+    with the HF model when already in that dtype and place; Linear weights (out, in), fused ones
+    (q/k/v, gate/up) and the lm head are transposed into new tensors.
     """
     if loaded.arch == "gpt2":
         return GPT2Network(loaded.model, dtype, device)
@@ -84,8 +90,8 @@ def _param(t: Tensor | None, dtype: torch.dtype, device: torch.device) -> Tensor
 class GPT2Network(Network):
     """GPT-2: learned positions, pre-LayerNorm blocks, gelu_new MLP, lm head tied to wte.
 
-    transformers stores GPT-2's projections as Conv1D, weight (in, out); they are transposed
-    here once to the (out, in) layout ``linear`` takes.
+    transformers stores GPT-2's projections as Conv1D, weight (in, out): the layout ``linear``
+    takes, so they are used as they are.
     """
 
     def __init__(self, model, dtype: torch.dtype, device: torch.device) -> None:
@@ -99,18 +105,18 @@ class GPT2Network(Network):
         body = model.transformer
         self.wte, self.wpe = p(body.wte.weight), p(body.wpe.weight)
         self.ln_f = (p(body.ln_f.weight), p(body.ln_f.bias))
-        self.lm_head = p(model.lm_head.weight)
+        self.lm_head = p(model.lm_head.weight.t())
         self.blocks = [self._block(b, p) for b in body.h]
 
     @staticmethod
     def _block(b, p) -> dict[str, Tensor]:
         return {
             "ln_1_w": p(b.ln_1.weight), "ln_1_b": p(b.ln_1.bias),
-            "qkv_w": p(b.attn.c_attn.weight.t()), "qkv_b": p(b.attn.c_attn.bias),
-            "out_w": p(b.attn.c_proj.weight.t()), "out_b": p(b.attn.c_proj.bias),
+            "qkv_w": p(b.attn.c_attn.weight), "qkv_b": p(b.attn.c_attn.bias),
+            "out_w": p(b.attn.c_proj.weight), "out_b": p(b.attn.c_proj.bias),
             "ln_2_w": p(b.ln_2.weight), "ln_2_b": p(b.ln_2.bias),
-            "fc_w": p(b.mlp.c_fc.weight.t()), "fc_b": p(b.mlp.c_fc.bias),
-            "proj_w": p(b.mlp.c_proj.weight.t()), "proj_b": p(b.mlp.c_proj.bias),
+            "fc_w": p(b.mlp.c_fc.weight), "fc_b": p(b.mlp.c_fc.bias),
+            "proj_w": p(b.mlp.c_proj.weight), "proj_b": p(b.mlp.c_proj.bias),
         }
 
     def embed(self, ids: Tensor, positions: Tensor) -> Tensor:
@@ -131,6 +137,10 @@ class GPT2Network(Network):
 
     def logits(self, x: Tensor, tile: Tile) -> Tensor:
         return linear(layer_norm(x, *self.ln_f, self.eps), self.lm_head, None, tile)
+
+    def matmuls(self) -> list[tuple[Tensor, Tensor | None]]:
+        names = ("qkv", "out", "fc", "proj")
+        return [(w[f"{n}_w"], w[f"{n}_b"]) for w in self.blocks for n in names] + [(self.lm_head, None)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,7 +167,7 @@ class LlamaNetwork(Network):
         rotary = body.rotary_emb
         self.rope = RopeTable(rotary.inv_freq, float(rotary.attention_scaling), self.shape.max_positions, dtype, device)
         self.embed_tokens, self.norm = p(body.embed_tokens.weight), p(body.norm.weight)
-        self.lm_head = p(model.lm_head.weight)
+        self.lm_head = p(model.lm_head.weight.t())
         self.blocks = [self._block(b, p) for b in body.layers]
 
     @staticmethod
@@ -165,12 +175,12 @@ class LlamaNetwork(Network):
         a, m = b.self_attn, b.mlp
         return {
             "norm_in": p(b.input_layernorm.weight), "norm_post": p(b.post_attention_layernorm.weight),
-            "qkv_w": p(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+            "qkv_w": p(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).t()),
             "qkv_b": _cat_bias(p, a.q_proj, a.k_proj, a.v_proj),
-            "o_w": p(a.o_proj.weight), "o_b": p(a.o_proj.bias),
-            "gate_up_w": p(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+            "o_w": p(a.o_proj.weight.t()), "o_b": p(a.o_proj.bias),
+            "gate_up_w": p(torch.cat([m.gate_proj.weight, m.up_proj.weight]).t()),
             "gate_up_b": _cat_bias(p, m.gate_proj, m.up_proj),
-            "down_w": p(m.down_proj.weight), "down_b": p(m.down_proj.bias),
+            "down_w": p(m.down_proj.weight.t()), "down_b": p(m.down_proj.bias),
         }
 
     def embed(self, ids: Tensor, positions: Tensor) -> Tensor:
@@ -195,6 +205,10 @@ class LlamaNetwork(Network):
 
     def logits(self, x: Tensor, tile: Tile) -> Tensor:
         return linear(rms_norm(x, self.norm, self.eps), self.lm_head, None, tile)
+
+    def matmuls(self) -> list[tuple[Tensor, Tensor | None]]:
+        names = ("qkv", "o", "gate_up", "down")
+        return [(w[f"{n}_w"], w[f"{n}_b"]) for w in self.blocks for n in names] + [(self.lm_head, None)]
 
 
 def _cat_bias(p, *projections) -> Tensor | None:

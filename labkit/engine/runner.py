@@ -5,54 +5,67 @@ The KV pool holds every layer's keys and values in fixed-size blocks; the block 
 slots it is told: position ``p`` of a sequence lives in block ``table[p // block_size]`` at
 offset ``p % block_size``.
 
-Prefill runs one prompt with plain matmuls: prompts are always prefilled one at a time, so a
-prompt's numbers are the same however busy the engine is. Decode runs one token for each of
-many sequences in one pass. With ``batch_invariant`` (the default) every decode matmul works on
-row tiles of ``tile_rows`` rows and each sequence's attention has a shape set by its own length
-(see ``layers.py`` and ``attention.py``), so a sequence's logits are bitwise the same whether it
-is decoded alone or beside any neighbours; the tests check exactly that.
+Prefill runs the prompts admitted together in one packed pass, each with its own positions and
+blocks; decode runs one token for each of many sequences in one pass. With ``batch_invariant``
+(the default) every matmul, prefill and decode, goes through calls whose rounding was checked at
+start-up not to depend on the number of rows (``layers.Tiling``, ``probe_chunk_rows``), each
+prompt attends over its own rows only, and each decoding sequence's attention has a shape set by
+its own length (see ``layers.py`` and ``attention.py``), so a sequence's logits are bitwise the
+same whether it is prefilled or decoded alone or beside any neighbours; the tests check exactly
+that. The check runs in the thread count of the moment: set threads before making the runner.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from labkit.engine.attention import DEFAULT_SPAN, decode_attention, plan_decode, prefill_attention
+from labkit.engine.layers import Tiling, probe_chunk_rows
 from labkit.engine.networks import Network, build_network
 from labkit.models.loaded import LoadedModel
 
+_BIG_WEIGHT = 32 << 20  # bytes; see ModelRunner._tiling
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class KVPool:
-    """Keys and values for every layer: (layers, kv_heads, num_blocks, block_size, head_dim) each.
+    """Keys and values for every layer, in one tensor: (layers, 2, kv_heads, num_blocks,
+    block_size, head_dim), keys at index 0 of the second axis and values at 1.
 
-    Heads come before blocks so that gathering a row's blocks yields, per head, one contiguous
-    run of positions, which attention can read without another copy. Zero-filled, so a masked
-    slot that was never written still holds a finite number.
+    Keys and values of a layer sit side by side so that one gather reads a row's blocks of both. Heads come before blocks so that gathering a
+    row's blocks yields, per head, one contiguous run of positions, which attention can read
+    without another copy. Zero-filled, so a masked slot that was never written still holds a
+    finite number.
     """
 
     def __init__(self, network: Network, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         s = network.shape
-        size = (s.num_layers, s.num_kv_heads, num_blocks, block_size, s.head_dim)
-        self.k = torch.zeros(size, dtype=dtype, device=device)
-        self.v = torch.zeros(size, dtype=dtype, device=device)
+        size = (s.num_layers, 2, s.num_kv_heads, num_blocks, block_size, s.head_dim)
+        self.kv = torch.zeros(size, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @property
+    def k(self) -> Tensor:
+        """Every layer's keys, (layers, kv_heads, num_blocks, block_size, head_dim) (a view)."""
+        return self.kv[:, 0]
+
+    @property
+    def v(self) -> Tensor:
+        return self.kv[:, 1]
+
+    @property
     def bytes_per_block(self) -> int:
-        per_tensor = self.k.element_size() * self.k.numel() // self.num_blocks
-        return 2 * per_tensor
+        return self.kv.element_size() * self.kv.numel() // self.num_blocks
 
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Store k/v (rows, kv_heads, d) at flat slots (block * block_size + offset)."""
-        heads, _, _, dim = self.k.shape[1:]
-        self.k[layer].view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
-        self.v[layer].view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))
+        flat = self.kv[layer].view(2, self.kv.shape[2], -1, self.kv.shape[-1])
+        flat[0].index_copy_(1, slots, k.transpose(0, 1))
+        flat[1].index_copy_(1, slots, v.transpose(0, 1))
 
 
 class ModelRunner:
@@ -60,21 +73,48 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int,
                  device: str = "cpu", dtype: str = "float32",
-                 batch_invariant: bool = True, tile_rows: int = 8) -> None:
+                 batch_invariant: bool = True, tile_rows: int = 8, chunk_rows: int = 32,
+                 max_prefill_tokens: int = 128) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"ModelRunner dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
-        if min(num_blocks, block_size, tile_rows) < 1:
-            raise ValueError(f"num_blocks, block_size and tile_rows must be >= 1, "
-                             f"got {num_blocks}, {block_size}, {tile_rows}")
+        if min(num_blocks, block_size, tile_rows, max_prefill_tokens) < 1:
+            raise ValueError(f"num_blocks, block_size, tile_rows and max_prefill_tokens must be >= 1, "
+                             f"got {num_blocks}, {block_size}, {tile_rows}, {max_prefill_tokens}")
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
         self.network = build_network(loaded, self.dtype, self.device)
         self.pool = KVPool(self.network, num_blocks, block_size, self.dtype, self.device)
         self.block_size = block_size
+        self.span = DEFAULT_SPAN
+        self.max_prefill_tokens = max_prefill_tokens
         self.batch_invariant = batch_invariant
         self.tile_rows = tile_rows
-        self._tile = tile_rows if batch_invariant else None  # what linear() gets: None = plain matmuls
-        self.span = DEFAULT_SPAN
+        self.chunk_rows = chunk_rows
+        # what linear() gets: None = plain matmuls. The probe's answer holds for the thread count
+        # it ran under (a kernel may split a reduction differently with more threads), so a
+        # change of torch's thread count re-probes before the next forward (see _tiling_now).
+        self._threads = torch.get_num_threads()
+        self._tile = self._tiling(chunk_rows, tile_rows) if batch_invariant else None
+
+    def _tiling_now(self) -> Tiling | None:
+        if self._tile is not None and torch.get_num_threads() != self._threads:
+            self._threads = torch.get_num_threads()
+            self._tile = self._tiling(self.chunk_rows, self.tile_rows)
+        return self._tile
+
+    def _tiling(self, chunk_rows: int, tile_rows: int) -> Tiling:
+        """For each weight, row chunks of the largest size that rounds alike (up to
+        ``max_prefill_tokens`` rows, so a prefill pass is one call, but at most ``chunk_rows``
+        for weights over ``_BIG_WEIGHT`` bytes, which only the last rows of each prompt or a
+        decode batch meet and which are slow to probe); exact bmm tiles of ``tile_rows`` if any
+        weight rounds 2-row calls differently."""
+        sizes = {}
+        for w, _ in self.network.matmuls():
+            big = w.numel() * w.element_size() > _BIG_WEIGHT
+            sizes[id(w)] = probe_chunk_rows(w, chunk_rows if big else max(chunk_rows, self.max_prefill_tokens))
+        if min(sizes.values()) < 2:
+            return Tiling(tile_rows, exact=True)
+        return Tiling(min(sizes.values()), by_weight=sizes)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -85,25 +125,66 @@ class ModelRunner:
     def max_positions(self) -> int:
         return self.network.shape.max_positions
 
-    @torch.inference_mode()
     def prefill(self, token_ids: Sequence[int], block_table: Sequence[int]) -> Tensor:
         """Run the whole prompt, write its K/V at positions 0..n-1 into the given blocks;
         return float32 logits (vocab,) of the last position."""
-        n = len(token_ids)
-        if n == 0:
-            raise ValueError("prefill needs at least one token")
-        self._check_positions(n - 1)
-        positions = torch.arange(n, device=self.device)
-        bs = self.block_size
-        slots = self._long([block_table[p // bs] * bs + p % bs for p in range(n)])
-        net = self.network
-        x = net.embed(self._long(token_ids), positions)
-        at = net.positional(positions)
+        return self.prefill_many([token_ids], [block_table])[0]
+
+    def prefill_many(self, prompts: Sequence[Sequence[int]], block_tables: Sequence[Sequence[int]]) -> Tensor:
+        """Prefill several prompts in packed passes: float32 logits (prompts, vocab), one row
+        per prompt, of its last position.
+
+        The prompts' tokens are laid end to end, each with its own positions 0..n-1 and its own
+        blocks, so the matmuls see every prompt's rows at once; attention runs per prompt over
+        its own rows, the same call as alone. In the batch-invariant mode the matmuls are tiled
+        as in decode, so a prompt's logits (and the K/V it leaves) are bitwise those of its solo
+        prefill. Passes hold at most ``max_prefill_tokens`` rows (a longer prompt goes alone): the
+        matmuls gain little from more rows than a chunk, and smaller passes let the engine hand
+        out the first passes' tokens sooner.
+        """
+        parts = [logits for _, logits in self.prefill_packs(prompts, block_tables)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def prefill_packs(self, prompts: Sequence[Sequence[int]],
+                      block_tables: Sequence[Sequence[int]]) -> Iterator[tuple[list[int], Tensor]]:
+        """``prefill_many`` one pass at a time: yields (indices of the prompts in the pass, their
+        logits) as each pass ends, so a caller can hand out first tokens without waiting for
+        the last pass."""
+        if len(prompts) != len(block_tables):
+            raise ValueError(f"{len(prompts)} prompts but {len(block_tables)} block tables")
+        for ids in prompts:
+            if len(ids) == 0:
+                raise ValueError("prefill needs at least one token")
+            self._check_positions(len(ids) - 1)
+        for group in _packs([len(ids) for ids in prompts], self.max_prefill_tokens):
+            yield group, self._prefill_packed([prompts[i] for i in group], [block_tables[i] for i in group])
+
+    @torch.inference_mode()
+    def _prefill_packed(self, prompts: list[Sequence[int]], block_tables: list[Sequence[int]]) -> Tensor:
+        bs, tile, net = self.block_size, self._tiling_now(), self.network
+        lengths = [len(ids) for ids in prompts]
+        rows = sum(lengths)
+        padded = rows if tile is None else tile.padded(rows)
+        filler = [0] * (padded - rows)  # filler rows: token 0 at position 0, never written or attended
+        positions = [p for n in lengths for p in range(n)]
+        slots = self._long([table[p // bs] * bs + p % bs for table, n in zip(block_tables, lengths) for p in range(n)])
+        pos = self._long(positions + filler)
+        x = net.embed(self._long([t for ids in prompts for t in ids] + filler), pos)
+        at = net.positional(pos)
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
         for layer in range(net.shape.num_layers):
-            q, k, v = net.qkv(layer, x, at, None)
-            self.pool.write(layer, slots, k, v)
-            x = net.finish(layer, x, prefill_attention(q, k, v), None)
-        return net.logits(x[-1:], None)[0].float()
+            q, k, v = net.qkv(layer, x, at, tile)
+            self.pool.write(layer, slots, k[:rows], v[:rows])
+            attn = [prefill_attention(q[a:b], k[a:b], v[a:b]) for a, b in zip(starts, starts[1:])]
+            if padded > rows:
+                attn.append(attn[0].new_zeros(padded - rows, attn[0].shape[1]))
+            x = net.finish(layer, x, attn[0] if len(attn) == 1 else torch.cat(attn), tile)
+        last = [b - 1 for b in starts[1:]]
+        out_rows = len(last) if tile is None else tile.padded(len(last))
+        x = x.index_select(0, self._long(last + [last[0]] * (out_rows - len(last))))
+        return net.logits(x, tile)[:len(last)].float()
 
     @torch.inference_mode()
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
@@ -118,8 +199,8 @@ class ModelRunner:
                            kv_heads=self.network.shape.num_kv_heads, dtype=self.dtype, device=self.device,
                            span=self.span)
         rows = len(tokens)
-        net, tile = self.network, self._tile
-        padded = rows if tile is None else -(-rows // tile) * tile
+        net, tile = self.network, self._tiling_now()
+        padded = rows if tile is None else tile.padded(rows)
         pad = [0] * (padded - rows)  # filler rows: token 0 at position 0, never written or attended
         pos = self._long([positions[r] for r in plan.order] + pad)
         x = net.embed(self._long([tokens[r] for r in plan.order] + pad), pos)
@@ -127,8 +208,10 @@ class ModelRunner:
         for layer in range(net.shape.num_layers):
             q, k, v = net.qkv(layer, x, at, tile)
             self.pool.write(layer, plan.slots, k[:rows], v[:rows])
-            attn = decode_attention(q[:rows], self.pool.k[layer], self.pool.v[layer], plan)
-            x = net.finish(layer, x, F.pad(attn, (0, 0, 0, padded - rows)), tile)
+            attn = decode_attention(q[:rows], self.pool.kv[layer], plan)
+            if padded > rows:
+                attn = F.pad(attn, (0, 0, 0, padded - rows))
+            x = net.finish(layer, x, attn, tile)
         x = x.index_select(0, self._long(plan.inverse + list(range(rows, padded))))
         return net.logits(x, tile)[:rows].float()
 
@@ -138,3 +221,17 @@ class ModelRunner:
 
     def _long(self, values: Sequence[int]) -> Tensor:
         return torch.tensor(list(values), dtype=torch.long, device=self.device)
+
+
+def _packs(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive prompts grouped so that each group holds at most ``budget`` tokens
+    (a prompt longer than that is a group of its own)."""
+    groups: list[list[int]] = []
+    total = budget + 1
+    for i, n in enumerate(lengths):
+        if total + n > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return groups
