@@ -9,7 +9,7 @@ KERNEL := streamlab
 KERNEL_DISPLAY := streamlab (labkit)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: lab test test-fast jupyter demo sync-notebooks clean-venv system-deps
+.PHONY: lint lab test test-fast jupyter demo sync-notebooks clean-venv system-deps
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,7 +32,7 @@ lab: system-deps $(STAMP)
 # profile, chosen from outside (the kernels inherit LABKIT_PROFILE; the notebooks' parameters
 # cells read it). Only cells marked NBVAL_CHECK_OUTPUT are compared: each experiment's invariants.
 # tests/test_notebooks.py fails if a notebook and its .py source have drifted apart.
-test: system-deps $(STAMP)
+test: system-deps $(STAMP) lint
 	LABKIT_PROFILE=ci $(PY) -m pytest -q tests notebooks --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=600 --nbval-sanitize-with notebooks/nbval_sanitize.cfg
 
@@ -65,3 +65,9 @@ system-deps:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx; } \
 			|| echo "apt-get could not install nginx: the proxy experiment's tests and cells will skip"; \
 	else echo "nginx is not installed and cannot be installed here (not root, or no apt-get): apt-get install nginx"; fi
+
+# labkit's code: ruff (lint and format) and mypy, as configured in pyproject.toml. Part of make test.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check labkit
+	$(VENV)/bin/ruff format --check labkit
+	$(VENV)/bin/mypy

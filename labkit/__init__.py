@@ -2,6 +2,7 @@
 
 The public face is small; everything else is reached through its module.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any

@@ -11,14 +11,16 @@ continuous batching (``generate_batch``), once with a cache sized to the work (a
 is) and once left to size its own. Each request makes exactly ``new_tokens`` unless
 ``ignore_eos`` is off, and the table counts the outputs identical to the engine's.
 """
+
 from __future__ import annotations
 
 import contextlib
 import copy
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any
 
 import pandas as pd
 import torch
@@ -62,11 +64,19 @@ def _context_ids(loaded: LoadedModel, batch: int, context: int) -> list[list[int
     return [ids[i : i + context] for i in range(batch)]
 
 
-def _engine_step_ms(loaded: LoadedModel, prompts: list[list[int]], cfg: StepBench,
-                    invariant: bool) -> tuple[float, BatchEngine]:
+def _engine_step_ms(
+    loaded: LoadedModel, prompts: list[list[int]], cfg: StepBench, invariant: bool
+) -> tuple[float, BatchEngine]:
     batch = len(prompts)
-    engine = BatchEngine(loaded, EngineConfig(max_batch=batch, dtype=cfg.dtype, batch_invariant=invariant,
-                                              num_blocks=batch * (-(-(cfg.context + cfg.steps + cfg.warmup + 2) // 16))))
+    engine = BatchEngine(
+        loaded,
+        EngineConfig(
+            max_batch=batch,
+            dtype=cfg.dtype,
+            batch_invariant=invariant,
+            num_blocks=batch * (-(-(cfg.context + cfg.steps + cfg.warmup + 2) // 16)),
+        ),
+    )
     for p in prompts:
         engine.submit(p, max_new_tokens=cfg.steps + cfg.warmup + 2)
     engine.step()  # admits and prefills every prompt; the steps timed below only decode
@@ -91,8 +101,7 @@ def _matmul_floor_ms(engine: BatchEngine, batch: int, cfg: StepBench, *, as_engi
     tile = runner._tile if as_engine else None
     rows = batch if tile is None else tile.padded(batch)
     products = runner.network.matmuls()
-    inputs = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=runner.dtype, device=runner.device)
-              for w, _ in products}
+    inputs = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=runner.dtype, device=runner.device) for w, _ in products}
     times = []
     for _ in range(cfg.warmup + cfg.steps):
         t0 = time.perf_counter()
@@ -103,7 +112,7 @@ def _matmul_floor_ms(engine: BatchEngine, batch: int, cfg: StepBench, *, as_engi
 
 
 @contextlib.contextmanager
-def _in_dtype(loaded: LoadedModel, dtype: str) -> Iterator[torch.nn.Module]:
+def _in_dtype(loaded: LoadedModel, dtype: str) -> Iterator[Any]:
     """The transformers model in ``dtype`` for one measurement.
 
     Another dtype gets a copy: casting the loaded model down and back would round its float32
@@ -148,8 +157,13 @@ def _step_row(loaded: LoadedModel, batch: int, cfg: StepBench) -> dict[str, floa
     invariant_matmuls = _matmul_floor_ms(engine, batch, cfg, as_engine=True)
     del engine
     plain, _ = _engine_step_ms(loaded, prompts, cfg, invariant=False)
-    return {"bare_forward_ms": bare, "engine_step_ms": invariant, "engine_plain_ms": plain,
-            "matmul_floor_ms": floor, "invariant_matmuls_ms": invariant_matmuls}
+    return {
+        "bare_forward_ms": bare,
+        "engine_step_ms": invariant,
+        "engine_plain_ms": plain,
+        "matmul_floor_ms": floor,
+        "invariant_matmuls_ms": invariant_matmuls,
+    }
 
 
 def bench_step(cfg: StepBench = StepBench(), loaded: LoadedModel | None = None) -> pd.DataFrame:
@@ -169,8 +183,17 @@ def bench_step(cfg: StepBench = StepBench(), loaded: LoadedModel | None = None) 
     for batch, runs in samples.items():
         t = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
         inv, plain, bare, floor = t["engine_step_ms"], t["engine_plain_ms"], t["bare_forward_ms"], t["matmul_floor_ms"]
-        rows.append({"batch": batch, **t, "engine/bare": inv / bare, "plain/bare": plain / bare,
-                     "engine/floor": inv / floor, "plain/floor": plain / floor, "invariant/plain": inv / plain})
+        rows.append(
+            {
+                "batch": batch,
+                **t,
+                "engine/bare": inv / bare,
+                "plain/bare": plain / bare,
+                "engine/floor": inv / floor,
+                "plain/floor": plain / floor,
+                "invariant/plain": inv / plain,
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -198,14 +221,22 @@ def bench_gather(cfg: GatherBench = GatherBench(), loaded: LoadedModel | None = 
     for context in cfg.contexts:
         for batch in cfg.batches:
             per_seq = -(-(context + 1) // 16)
-            runner = ModelRunner(loaded, num_blocks=batch * per_seq, block_size=16, dtype=cfg.dtype,
-                                 batch_invariant=False)
+            runner = ModelRunner(
+                loaded, num_blocks=batch * per_seq, block_size=16, dtype=cfg.dtype, batch_invariant=False
+            )
             shape = runner.network.shape
             gen = torch.Generator().manual_seed(context * 100 + batch)
             order = torch.randperm(batch * per_seq, generator=gen).tolist()
-            tables = [order[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
-            plan = plan_decode([context] * batch, tables, 16, invariant=True, kv_heads=shape.num_kv_heads,
-                               dtype=runner.dtype, device=runner.device)
+            tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
+            plan = plan_decode(
+                [context] * batch,
+                tables,
+                16,
+                invariant=True,
+                kv_heads=shape.num_kv_heads,
+                dtype=runner.dtype,
+                device=runner.device,
+            )
             q = torch.randn(batch, shape.num_heads, shape.head_dim, dtype=runner.dtype)
             pool = runner.pool
             copy_t, attn_t = [], []
@@ -221,16 +252,33 @@ def bench_gather(cfg: GatherBench = GatherBench(), loaded: LoadedModel | None = 
                 copy_t.append(t1 - t0)
                 attn_t.append(t2 - t1)
             copy, attn = (1000 * statistics.median(t[1:]) for t in (copy_t, attn_t))
-            mib = 2 * shape.num_layers * shape.num_kv_heads * batch * plan.groups[0].width * shape.head_dim \
-                * pool.kv.element_size() / 2**20
-            rows_out.append({"context": context, "batch": batch, "copied_MiB_per_step": mib, "copy_ms": copy,
-                             "attention_ms": attn, "copy_share": copy / attn})
+            mib = (
+                2
+                * shape.num_layers
+                * shape.num_kv_heads
+                * batch
+                * plan.groups[0].width
+                * shape.head_dim
+                * pool.kv.element_size()
+                / 2**20
+            )
+            rows_out.append(
+                {
+                    "context": context,
+                    "batch": batch,
+                    "copied_MiB_per_step": mib,
+                    "copy_ms": copy,
+                    "attention_ms": attn,
+                    "copy_share": copy / attn,
+                }
+            )
             del runner
     return pd.DataFrame(rows_out)
 
 
-def _engine_run(loaded: LoadedModel, prompts: list[str], cfg: GenerateBench,
-                concurrent: bool) -> tuple[float, list[list[int]]]:
+def _engine_run(
+    loaded: LoadedModel, prompts: list[str], cfg: GenerateBench, concurrent: bool
+) -> tuple[float, list[list[int]]]:
     """Seconds and each request's tokens, with every request submitted at once or one at a time."""
     engine = BatchEngine(loaded, EngineConfig(max_batch=max(1, len(prompts)), dtype=cfg.dtype))
     outputs: dict[str, list[int]] = {}
@@ -247,8 +295,9 @@ def _engine_run(loaded: LoadedModel, prompts: list[str], cfg: GenerateBench,
 
 
 @torch.inference_mode()
-def _generate_batch_run(loaded: LoadedModel, prompts: list[str], cfg: GenerateBench,
-                        sized: bool = True) -> tuple[float, list[list[int]]]:
+def _generate_batch_run(
+    loaded: LoadedModel, prompts: list[str], cfg: GenerateBench, sized: bool = True
+) -> tuple[float, list[list[int]]]:
     """transformers' continuous batching over the same requests.
 
     ``sized``: give it a cache the size of this workload, as the engine has. Left to size itself
@@ -261,16 +310,21 @@ def _generate_batch_run(loaded: LoadedModel, prompts: list[str], cfg: GenerateBe
 
     inputs = [loaded.tokenizer.encode(p) for p in prompts]
     eos = -1 if cfg.ignore_eos else loaded.eos_token_id  # transformers reads -1 as "no eos"
-    gen = GenerationConfig(max_new_tokens=cfg.new_tokens, do_sample=False, eos_token_id=eos,
-                           pad_token_id=loaded.eos_token_id)
+    gen = GenerationConfig(
+        max_new_tokens=cfg.new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=loaded.eos_token_id
+    )
     page = 16
     sizing = ContinuousBatchingConfig(
-        page_size=page, num_blocks=sum(-(-(len(ids) + cfg.new_tokens) // page) for ids in inputs),
-        max_batch_tokens=sum(map(len, inputs)) + len(inputs), max_requests_per_batch=len(inputs))
+        page_size=page,
+        num_blocks=sum(-(-(len(ids) + cfg.new_tokens) // page) for ids in inputs),
+        max_batch_tokens=sum(map(len, inputs)) + len(inputs),
+        max_requests_per_batch=len(inputs),
+    )
     with _in_dtype(loaded, cfg.dtype) as model:
         t0 = time.perf_counter()
-        outputs = model.generate_batch(inputs, generation_config=gen,
-                                       continuous_batching_config=sizing if sized else None)
+        outputs = model.generate_batch(
+            inputs, generation_config=gen, continuous_batching_config=sizing if sized else None
+        )
         elapsed = time.perf_counter() - t0
     # generate_batch keys its results by request id; the ids it makes count up in submission order
     ordered = [outputs[key].generated_tokens for key in sorted(outputs, key=_request_number)]
@@ -289,17 +343,25 @@ def bench_generate(cfg: GenerateBench = GenerateBench(), loaded: LoadedModel | N
     _engine_run(loaded, prompts[:2], warmup, concurrent=True)  # first calls pay for lazy set-up: keep it out
     if cfg.with_generate_batch:
         _generate_batch_run(loaded, prompts[:2], warmup)
-    runs = {"engine, all at once": _engine_run(loaded, prompts, cfg, concurrent=True),
-            "engine, one after another": _engine_run(loaded, prompts, cfg, concurrent=False)}
+    runs = {
+        "engine, all at once": _engine_run(loaded, prompts, cfg, concurrent=True),
+        "engine, one after another": _engine_run(loaded, prompts, cfg, concurrent=False),
+    }
     if cfg.with_generate_batch:
         runs["transformers generate_batch, cache sized to the work"] = _generate_batch_run(loaded, prompts, cfg)
     if cfg.with_generate_batch and cfg.with_self_sized:
         runs["transformers generate_batch, self-sized cache"] = _generate_batch_run(loaded, prompts, cfg, sized=False)
     reference = runs["engine, all at once"][1]
-    rows = [{"run": name, "seconds": seconds, "tokens": sum(map(len, outputs)),
-             "tokens_per_s": sum(map(len, outputs)) / seconds,
-             "same_tokens_as_engine": f"{sum(a == b for a, b in zip(outputs, reference))}/{len(prompts)}"}
-            for name, (seconds, outputs) in runs.items()]
+    rows = [
+        {
+            "run": name,
+            "seconds": seconds,
+            "tokens": sum(map(len, outputs)),
+            "tokens_per_s": sum(map(len, outputs)) / seconds,
+            "same_tokens_as_engine": f"{sum(a == b for a, b in zip(outputs, reference))}/{len(prompts)}",
+        }
+        for name, (seconds, outputs) in runs.items()
+    ]
     table = pd.DataFrame(rows)
     base = table.tokens_per_s.iloc[0]
     table.insert(4, "engine_all_at_once/this", base / table.tokens_per_s)

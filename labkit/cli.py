@@ -1,4 +1,5 @@
 """The ``labkit`` command: serve, bench, run, demo."""
+
 from __future__ import annotations
 
 import argparse
@@ -52,10 +53,16 @@ def _add_bench(sub) -> None:
     p.add_argument("--requests", type=int, default=32, help="generate: number of requests")
     p.add_argument("--new-tokens", type=int, default=64, help="generate: tokens per request")
     p.add_argument("--no-generate-batch", action="store_true", help="generate: skip transformers' generate_batch")
-    p.add_argument("--no-self-sized", action="store_true",
-                   help="generate: skip generate_batch with its own (memory-sized, slow to set up) cache")
-    p.add_argument("--stop-at-eos", action="store_true",
-                   help="generate: let requests end on eos (by default each makes exactly --new-tokens)")
+    p.add_argument(
+        "--no-self-sized",
+        action="store_true",
+        help="generate: skip generate_batch with its own (memory-sized, slow to set up) cache",
+    )
+    p.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="generate: let requests end on eos (by default each makes exactly --new-tokens)",
+    )
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=_bench)
 
@@ -64,15 +71,26 @@ def _bench(args) -> None:
     from labkit import bench
 
     if args.what == "step":
-        step = bench.StepBench(model=args.model, batches=tuple(int(b) for b in args.batches.split(",")),
-                               context=args.context, dtype=args.dtype, rounds=args.rounds)
+        step = bench.StepBench(
+            model=args.model,
+            batches=tuple(int(b) for b in args.batches.split(",")),
+            context=args.context,
+            dtype=args.dtype,
+            rounds=args.rounds,
+        )
         table = bench.bench_step(step)
     elif args.what == "gather":
         table = bench.bench_gather(bench.GatherBench(model=args.model, dtype=args.dtype))
     else:
-        cfg = bench.GenerateBench(model=args.model, requests=args.requests, new_tokens=args.new_tokens,
-                                  dtype=args.dtype, with_generate_batch=not args.no_generate_batch,
-                                  with_self_sized=not args.no_self_sized, ignore_eos=not args.stop_at_eos)
+        cfg = bench.GenerateBench(
+            model=args.model,
+            requests=args.requests,
+            new_tokens=args.new_tokens,
+            dtype=args.dtype,
+            with_generate_batch=not args.no_generate_batch,
+            with_self_sized=not args.no_self_sized,
+            ignore_eos=not args.stop_at_eos,
+        )
         table = bench.bench_generate(cfg)
     print(table.to_markdown(index=False, floatfmt=".2f") if _has_tabulate() else table.round(2).to_string(index=False))
 

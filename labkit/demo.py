@@ -1,4 +1,5 @@
 """A short demonstration: several prompts share the engine, and their text is printed as it comes."""
+
 from __future__ import annotations
 
 import time
@@ -31,9 +32,16 @@ def run_demo(model: str = "smollm2-135m", requests: int = 6, new_tokens: int = 4
     for rid, prompt in prompts.items():
         print(f"\n>>> {prompt}\n{texts[rid].strip()}")
     engine.check_integrity()
-    summary = {"requests": requests, "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
-               "first_token_s_max": max(first.values())}
-    print(f"\n{requests} concurrent requests, {tokens} tokens in {elapsed:.2f} s: "
-          f"{tokens / elapsed:.1f} tokens/s; every first token within {summary['first_token_s_max']:.2f} s; "
-          f"cache whole, {engine.stats()['releases']} releases")
+    summary = {
+        "requests": requests,
+        "tokens": tokens,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "first_token_s_max": max(first.values()),
+    }
+    print(
+        f"\n{requests} concurrent requests, {tokens} tokens in {elapsed:.2f} s: "
+        f"{tokens / elapsed:.1f} tokens/s; every first token within {summary['first_token_s_max']:.2f} s; "
+        f"cache whole, {engine.stats()['releases']} releases"
+    )
     return summary

@@ -3,6 +3,7 @@
 Each maps to one HTTP status in the service, so a caller can refuse a request before the first
 byte of a stream by catching the class rather than parsing a message.
 """
+
 from __future__ import annotations
 
 

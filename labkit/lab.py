@@ -7,6 +7,7 @@ committed notebooks therefore always show the outputs of the last full run. Each
 duration is printed at the end and kept in ``<data>/durations.csv``, from which every notebook
 states how long it takes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,9 @@ def run_notebook(path: Path, timeout: int) -> tuple[float, str | None]:
     t0 = time.perf_counter()
     error = None
     try:
-        NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                       resources={"metadata": {"path": str(path.parent)}}).execute()
+        NotebookClient(
+            nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+        ).execute()
     except CellExecutionError as exc:
         error = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
     nbformat.write(nb, path)
@@ -48,8 +50,13 @@ def closing_note(seconds: dict[str, float], profile: str) -> str:
     width = max(map(len, seconds), default=8)
     lines = [f"  {name:<{width}}  {s / 60:5.1f} min" for name, s in seconds.items()]
     total = sum(seconds.values())
-    return "\n".join([f"{len(seconds)} notebooks under the {profile} profile:", *lines,
-                      f"  {'total':<{width}}  {total / 60:5.1f} min"])
+    return "\n".join(
+        [
+            f"{len(seconds)} notebooks under the {profile} profile:",
+            *lines,
+            f"  {'total':<{width}}  {total / 60:5.1f} min",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

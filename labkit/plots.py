@@ -4,10 +4,12 @@ Every figure the lab publishes goes through :func:`savefig`, so one command rege
 them and a figure's file name always says which experiment drew it. A figure's name is its
 matplotlib label (``fig.set_label("overlap_throughput")``), set by the experiment's ``plot``.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure

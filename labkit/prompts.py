@@ -1,4 +1,5 @@
 """A fixed set of prompts, so benchmarks and experiments always send the same requests."""
+
 from __future__ import annotations
 
 PROMPTS: tuple[str, ...] = (

@@ -35,6 +35,7 @@ Why these choices:
   passes through event types it does not know (with their JSON object) so that new types can be
   added without breaking old clients.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,15 +44,32 @@ from typing import Any
 from labkit.sse import ParsedEvent, ServerSentEvent
 
 __all__ = [
-    "ERROR_TYPES", "EVENT_TYPES", "MAX_MESSAGE_CHARS", "clip", "start_payload", "token_payload", "done_payload",
-    "error_envelope", "StreamEncoder", "decode_event",
+    "ERROR_TYPES",
+    "EVENT_TYPES",
+    "MAX_MESSAGE_CHARS",
+    "clip",
+    "start_payload",
+    "token_payload",
+    "done_payload",
+    "error_envelope",
+    "StreamEncoder",
+    "decode_event",
 ]
 
 EVENT_TYPES = ("start", "token", "done", "error")
-ERROR_TYPES = frozenset({
-    "invalid_request", "prompt_too_long", "queue_full", "draining",
-    "slow_client", "shutdown", "internal_error", "cancelled", "queue_timeout",
-})
+ERROR_TYPES = frozenset(
+    {
+        "invalid_request",
+        "prompt_too_long",
+        "queue_full",
+        "draining",
+        "slow_client",
+        "shutdown",
+        "internal_error",
+        "cancelled",
+        "queue_timeout",
+    }
+)
 
 MAX_MESSAGE_CHARS = 512  # an error message is cut here, whoever built it
 ECHO_CHARS = 64  # an input value quoted in a message is cut here
@@ -72,14 +90,12 @@ def clip(value: object, limit: int = ECHO_CHARS) -> str:
 _REQUIRED: dict[str, dict[str, Any]] = {
     "start": {"request_id": str, "model": str, "prompt_tokens": int},
     "token": {"index": int, "id": int, "text": str},
-    "done": {"finish_reason": str,
-             "usage": {"prompt_tokens": int, "completion_tokens": int}},
+    "done": {"finish_reason": str, "usage": {"prompt_tokens": int, "completion_tokens": int}},
     "error": {"error": {"type": str, "message": str}},
 }
 
 
-def start_payload(request_id: str, model: str, prompt_tokens: int,
-                  resume_token: str | None = None) -> dict[str, Any]:
+def start_payload(request_id: str, model: str, prompt_tokens: int, resume_token: str | None = None) -> dict[str, Any]:
     """``resume_token`` only in a resumable stream's start, which only its creator receives."""
     payload = {"request_id": request_id, "model": model, "prompt_tokens": prompt_tokens}
     return payload if resume_token is None else {**payload, "resume_token": resume_token}

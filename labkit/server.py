@@ -13,6 +13,7 @@ A signal that asked for this shutdown is not re-raised afterwards, so ``labkit s
 
 This module imports the service; nothing in ``labkit.service`` imports it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,18 +24,24 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, get_type_hints
+from typing import Any, get_type_hints
 
 from labkit.engine.config import _DTYPES as DTYPES
-from labkit.hub import DELIVERY_MODES, Hub
-from labkit.hub import POLICIES
+from labkit.hub import DELIVERY_MODES, POLICIES, Hub
 from labkit.service.config import HttpConfig, ServiceConfig, leaves
 from labkit.service.connections import guarded_protocol
 
-__all__ = ["ServiceConfig", "RunningServer", "serve_in_thread", "add_serve_arguments", "config_from_args",
-           "serve_from_args"]
+__all__ = [
+    "ServiceConfig",
+    "RunningServer",
+    "serve_in_thread",
+    "add_serve_arguments",
+    "config_from_args",
+    "serve_from_args",
+]
 
 SHUTDOWN_RESERVE_S = 1.0  # of drain_grace, kept for aborting blocked writers, the step thread and exit
 # Choices for fields of layers that are not ours to annotate (ours carry them in field metadata).
@@ -66,10 +73,17 @@ def _uvicorn_server(app: Any, config: ServiceConfig) -> Any:
                 self._captured_signals.clear()  # the shutdown it asked for is done: exit normally
 
     protocol = guarded_protocol(config.http, config.retry_after_s, service.metrics.connection_closed)
-    uv_config = uvicorn.Config(app, host=config.http.host, port=config.http.port, log_level=config.http.log_level,
-                               loop="asyncio", http=protocol, lifespan="on",
-                               timeout_keep_alive=max(1, round(config.http.idle_timeout)),
-                               timeout_graceful_shutdown=max(0.1, reserve / 2))  # type: ignore[arg-type]
+    uv_config = uvicorn.Config(
+        app,
+        host=config.http.host,
+        port=config.http.port,
+        log_level=config.http.log_level,
+        loop="asyncio",
+        http=protocol,
+        lifespan="on",
+        timeout_keep_alive=max(1, round(config.http.idle_timeout)),
+        timeout_graceful_shutdown=max(0.1, reserve / 2),  # type: ignore[arg-type]  # uvicorn takes seconds as a float
+    )
     return LabServer(uv_config)
 
 
@@ -113,8 +127,9 @@ IN_THREAD = {"port": 0, "log_level": "warning", "lab_routes": True}
 
 
 @contextmanager
-def serve_in_thread(model: Any = "smollm2-135m", config: ServiceConfig | None = None, *,
-                    startup_timeout: float = 60.0, **settings: Any) -> Iterator[RunningServer]:
+def serve_in_thread(
+    model: Any = "smollm2-135m", config: ServiceConfig | None = None, *, startup_timeout: float = 60.0, **settings: Any
+) -> Iterator[RunningServer]:
     """Serve ``model`` (a name or a LoadedModel) on a loopback port until the block ends.
 
     ``config`` is used as given; else the settings start from ``IN_THREAD``. ``settings`` are
@@ -178,8 +193,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for _, owner, f in leaves():
         kind = get_type_hints(owner)[f.name]
         help_text = f.metadata.get("help") or _field_comments(owner).get(f.name, "")
-        kwargs: dict[str, Any] = {"default": defaults[f.name], "dest": f.name,
-                                  "help": f"{help_text} (default: %(default)s)".strip()}
+        kwargs: dict[str, Any] = {
+            "default": defaults[f.name],
+            "dest": f.name,
+            "help": f"{help_text} (default: %(default)s)".strip(),
+        }
         choices = f.metadata.get("choices") or _CHOICES.get(f.name)
         if kind is bool:
             kwargs.update(action=argparse.BooleanOptionalAction)
@@ -202,8 +220,10 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
 
 def _optional(kind: type) -> Any:
     """A flag parser for ``kind | None``: "none" (or nothing) turns the setting off."""
+
     def parse(text: str) -> Any:
         return None if text.lower() in ("none", "") else kind(text)
+
     parse.__name__ = kind.__name__  # argparse names the type in its error messages
     return parse
 

@@ -40,6 +40,7 @@ browser's ``EventSource`` keeps between events: ``last_event_id`` and the reconn
 * ``close()`` discards an unfinished event, as the end of a stream does in a browser, and the
   parser refuses further input.
 """
+
 from __future__ import annotations
 
 import codecs

@@ -8,10 +8,11 @@ who else is in the batch. So each row attends over a width that depends on its o
 together: what a row sees is the same tensor shape whether it is decoded alone or with 32 others.
 With ``invariant=False`` all rows share the widest width: one call, fewer kernels, not invariant.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -55,16 +56,25 @@ def attend_width(length: int, block_size: int, span: int) -> int:
     return unit * -(-length // unit)
 
 
-def plan_decode(positions: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int, *,
-                invariant: bool, kv_heads: int, dtype: torch.dtype, device: torch.device,
-                span: int = DEFAULT_SPAN) -> DecodePlan:
+def plan_decode(
+    positions: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    *,
+    invariant: bool,
+    kv_heads: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    span: int = DEFAULT_SPAN,
+) -> DecodePlan:
     """Sort the rows by attention width, group equal widths, and list the blocks each reads."""
     widths = [attend_width(p + 1, block_size, span) for p in positions]
     if not invariant:
         widths = [max(widths)] * len(widths)
     order = sorted(range(len(widths)), key=lambda row: widths[row])
-    slots = [block_tables[row][positions[row] // block_size] * block_size + positions[row] % block_size
-             for row in order]
+    slots = [
+        block_tables[row][positions[row] // block_size] * block_size + positions[row] % block_size for row in order
+    ]
     groups = []
     for start, stop in _runs([widths[row] for row in order]):
         rows = order[start:stop]
@@ -105,7 +115,7 @@ def decode_attention(q: Tensor, kv_cache: Tensor, plan: DecodePlan) -> Tensor:
     ``q`` is (rows, heads, d) in plan order; ``kv_cache`` is one layer's pool, keys then values,
     (2, kv_heads, num_blocks, block_size, d). Returns (rows, heads * d).
     """
-    outputs = [_attend_group(q[g.start:g.stop], kv_cache, g) for g in plan.groups]
+    outputs = [_attend_group(q[g.start : g.stop], kv_cache, g) for g in plan.groups]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
@@ -123,7 +133,7 @@ def _attend_group(q: Tensor, kv_cache: Tensor, g: Group) -> Tensor:
     gathered = kv_cache.index_select(2, g.blocks)  # one copy of the row's blocks, keys and values
     keys, values = gathered[0].view(batch, g.width, dim), gathered[1].view(batch, g.width, dim)
     queries = q.reshape(rows, kv_heads, heads // kv_heads, dim).transpose(0, 1).reshape(batch, -1, dim)
-    scores = torch.baddbmm(g.bias, queries, keys.transpose(1, 2), alpha=dim ** -0.5)
+    scores = torch.baddbmm(g.bias, queries, keys.transpose(1, 2), alpha=dim**-0.5)
     if q.dtype == torch.float32:
         probs = torch.softmax(scores, dim=-1)
     else:  # softmax in float32, as transformers does for half precision
@@ -137,7 +147,11 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
     A prompt always starts at position 0, so its own fresh keys and values are all it needs.
     """
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                         v.transpose(0, 1)[None], is_causal=True,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        is_causal=True,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
     return out[0].transpose(0, 1).reshape(q.shape[0], -1)

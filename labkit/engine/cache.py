@@ -7,6 +7,7 @@ token it may generate), which is why a running sequence never waits for memory.
 Owners are the scheduler's sequence numbers, never request ids: an id comes back when a client
 reuses it, a number never does, so a stale release can only raise, never free a newer request.
 """
+
 from __future__ import annotations
 
 from collections import deque

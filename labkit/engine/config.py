@@ -1,4 +1,5 @@
 """EngineConfig: the engine's settings, validated once when made."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,16 +57,19 @@ def check_device(device: object) -> None:
     try:
         parsed = torch.device(device)
     except RuntimeError:
-        raise ValueError(f"EngineConfig.device {device!r} is not a device name: use one of "
-                         f"{', '.join(_DEVICE_TYPES)}, optionally with an index ('cuda:1')") from None
+        raise ValueError(
+            f"EngineConfig.device {device!r} is not a device name: use one of "
+            f"{', '.join(_DEVICE_TYPES)}, optionally with an index ('cuda:1')"
+        ) from None
     if parsed.type not in _DEVICE_TYPES:
         raise ValueError(f"EngineConfig.device {device!r} is not supported: use one of {', '.join(_DEVICE_TYPES)}")
     if parsed.type == "cpu":
         return
     backend = getattr(torch, parsed.type, None) if parsed.type != "mps" else torch.backends.mps
     if backend is None or not backend.is_available():
-        raise ValueError(f"EngineConfig.device {device!r}: this machine has no {parsed.type} device "
-                         f"(torch {torch.__version__})")
+        raise ValueError(
+            f"EngineConfig.device {device!r}: this machine has no {parsed.type} device (torch {torch.__version__})"
+        )
     count = backend.device_count() if hasattr(backend, "device_count") else 1
     if parsed.index is not None and parsed.index >= count:
         raise ValueError(f"EngineConfig.device {device!r}: this machine has {count} {parsed.type} device(s)")

@@ -4,12 +4,14 @@ Both classes are independent of any model. The engine pipes each generated id th
 ``IncrementalDetokenizer.push`` and the resulting delta through ``StopMatcher.push``; at the end of
 a sequence it pushes ``detok.flush()`` through the matcher and then emits ``matcher.flush()``.
 """
+
 from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import NamedTuple, Protocol, Sequence
+from typing import NamedTuple, Protocol
 
 __all__ = ["IncrementalDetokenizer", "StopAutomaton", "StopMatcher", "StopResult"]
 

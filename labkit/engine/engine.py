@@ -10,6 +10,7 @@ of the latest step, 0 before the first), and every event carries the number of t
 made it, so an effect can be told in steps, which do not jitter with the machine, as well as in
 seconds.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,7 +18,9 @@ import secrets
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 
@@ -46,9 +49,15 @@ class BatchEngine:
         self.tokenizer = model.tokenizer
         self.max_context = model.max_context
         num_blocks = config.num_blocks or default_num_blocks(model, config)
-        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=config.block_size,
-                                  device=config.device, dtype=config.dtype,
-                                  batch_invariant=config.batch_invariant, tile_rows=config.tile_rows)
+        self.runner = ModelRunner(
+            model,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            device=config.device,
+            dtype=config.dtype,
+            batch_invariant=config.batch_invariant,
+            tile_rows=config.tile_rows,
+        )
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_batch)
         self.inbox = Inbox()
@@ -65,9 +74,18 @@ class BatchEngine:
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt))
 
-    def submit(self, prompt: str | Seq[int], *, max_new_tokens: int = 64, stop: str | Seq[str] = (),
-               temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-               ignore_eos: bool = False, request_id: str | None = None) -> RequestId:
+    def submit(
+        self,
+        prompt: str | Seq[int],
+        *,
+        max_new_tokens: int = 64,
+        stop: str | Seq[str] = (),
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        request_id: str | None = None,
+    ) -> RequestId:
         """Validate a request in the caller's thread and queue it; returns its id (a str).
 
         Raises EmptyPrompt, PromptTooLong or InvalidRequest for a request that can never run, and
@@ -109,8 +127,9 @@ class BatchEngine:
 
     def has_work(self) -> bool:
         """Would a step do anything? (Something in the inbox, to decode, or to admit.)"""
-        return (len(self.inbox) > 0 or any(not s.paused for s in self.scheduler.running)
-                or self.scheduler.can_admit_any())
+        return (
+            len(self.inbox) > 0 or any(not s.paused for s in self.scheduler.running) or self.scheduler.can_admit_any()
+        )
 
     def wait_for_work(self, timeout: float) -> bool:
         """Sleep until a step would do something or ``timeout`` passes; call from the step thread."""
@@ -165,8 +184,9 @@ class BatchEngine:
             self._accept_all([seqs[i] for i in group], logits, emit)
 
     def _decode(self, batch: list[Sequence], emit: OnEvent) -> None:
-        logits = self.runner.decode([s.pending for s in batch], [s.num_cached for s in batch],
-                                    [self.blocks.table(s.number) for s in batch])
+        logits = self.runner.decode(
+            [s.pending for s in batch], [s.num_cached for s in batch], [self.blocks.table(s.number) for s in batch]
+        )
         self.counters["decode_steps"] += 1
         self._accept_all(batch, logits, emit)
 
@@ -191,8 +211,12 @@ class BatchEngine:
         self.counters["tokens"] += 1
         is_eos = token_id in self._eos
         reason: FinishReason | None = (
-            "eos" if is_eos and not seq.params.ignore_eos
-            else "length" if seq.num_output >= seq.params.max_new_tokens else None)
+            "eos"
+            if is_eos and not seq.params.ignore_eos
+            else "length"
+            if seq.num_output >= seq.params.max_new_tokens
+            else None
+        )
         text, stopped = seq.text.push(token_id, special=is_eos, final=reason is not None)
         if stopped:
             reason = "stop"
@@ -207,8 +231,14 @@ class BatchEngine:
             if self._known.get(seq.rid) == seq.number:
                 del self._known[seq.rid]  # the id may be used again once its request is over
         self.finished[seq.finish_reason] += 1
-        return FinishEvent(seq.rid, seq.finish_reason, Usage(seq.num_prompt, seq.num_output), time.perf_counter(),
-                           self.current_step, error)
+        return FinishEvent(
+            seq.rid,
+            seq.finish_reason,
+            Usage(seq.num_prompt, seq.num_output),
+            time.perf_counter(),
+            self.current_step,
+            error,
+        )
 
     # -- validation --------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
@@ -229,11 +259,15 @@ class BatchEngine:
     def _check_fits(self, num_prompt: int, max_new_tokens: int) -> None:
         total = num_prompt + max_new_tokens
         if total > self.max_context:
-            raise PromptTooLong(f"prompt ({num_prompt} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
-                                f"exceeds the model's context of {self.max_context} tokens")
+            raise PromptTooLong(
+                f"prompt ({num_prompt} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
+                f"exceeds the model's context of {self.max_context} tokens"
+            )
         if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
-            raise PromptTooLong(f"prompt + max_new_tokens = {total} tokens needs {self.blocks.blocks_needed(total)} "
-                                f"blocks, more than the whole cache ({self.blocks.num_blocks})")
+            raise PromptTooLong(
+                f"prompt + max_new_tokens = {total} tokens needs {self.blocks.blocks_needed(total)} "
+                f"blocks, more than the whole cache ({self.blocks.num_blocks})"
+            )
 
     def _claim_id(self, request_id: str | None) -> str:
         """Check the waiting limit and take a unique id; the caller holds ``_ids_lock``."""
@@ -311,8 +345,9 @@ def eos_ids(model: LoadedModel) -> frozenset[int]:
     return frozenset(named)
 
 
-def _params(max_new_tokens: int, stop: str | Seq[str], temperature: float, top_p: float,
-            seed: int | None, ignore_eos: bool) -> SamplingParams:
+def _params(
+    max_new_tokens: int, stop: str | Seq[str], temperature: float, top_p: float, seed: int | None, ignore_eos: bool
+) -> SamplingParams:
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     try:
         return SamplingParams(max_new_tokens, stops, temperature, top_p, seed, ignore_eos)

@@ -4,10 +4,11 @@ Each event carries ``step``, the number of the engine step that made it (the eng
 see ``BatchEngine.step``): steps do not jitter with the machine the way seconds do. Events made
 outside an engine (test doubles) default to step 0, which no engine step has.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
 FinishReason = Literal["length", "eos", "stop", "cancelled", "error"]
 """Why a request left the engine. ``error``: this request alone failed inside a step (its next
@@ -51,4 +52,4 @@ class FinishEvent:
     error: str | None = None
 
 
-Event = Union[TokenEvent, FinishEvent]
+Event = TokenEvent | FinishEvent

@@ -14,6 +14,7 @@ Two facts about CPU kernels shape this file (both measured on the lab machine):
   row lands in that end depends on the batch size. ``exp``, ``tanh``, ``sqrt``, ``+ - * /``
   agree in both routines, so the activations here are composed from those.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,7 +23,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
 
 #: A tiled weight larger than this is multiplied in column chunks of about this size, so each
 #: chunk is read from memory once and stays in cache while every row tile passes over it
@@ -74,11 +74,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, tiling: Tiling | None
         assert rows >= 2, "one row alone takes the matrix-vector kernel: pad it (Tiling.padded)"
         out = torch.mm(x, weight)
     else:
-        parts = [torch.mm(x[a:a + step], weight) for a in range(0, rows - rows % step, step)]
+        parts = [torch.mm(x[a : a + step], weight) for a in range(0, rows - rows % step, step)]
         if rows % step == 1:  # a lone last row rides in a 2-row call with its neighbour
             parts.append(torch.mm(x[-2:], weight)[1:])
         elif rows % step:
-            parts.append(torch.mm(x[rows - rows % step:], weight))
+            parts.append(torch.mm(x[rows - rows % step :], weight))
         out = torch.cat(parts)
     return out if bias is None else out + bias
 
@@ -110,7 +110,7 @@ def probe_chunk_rows(weight: Tensor, most: int) -> int:
     if key not in _PROBED:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(2 * most, weight.shape[0], generator=gen).to(weight.dtype).to(weight.device)
-        reference = torch.cat([torch.mm(x[i:i + 2], weight) for i in range(0, 2 * most, 2)])
+        reference = torch.cat([torch.mm(x[i : i + 2], weight) for i in range(0, 2 * most, 2)])
         good = 0
         for n in range(2, most + 1):
             picks = torch.randperm(2 * most, generator=gen)[:n].to(weight.device)
@@ -154,8 +154,9 @@ class RopeTable:
     whose frequencies do not change with sequence length is reproduced exactly.
     """
 
-    def __init__(self, inv_freq: Tensor, scaling: float, max_positions: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, inv_freq: Tensor, scaling: float, max_positions: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq.float().cpu()[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)

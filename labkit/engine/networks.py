@@ -8,6 +8,7 @@ produce logits. Every row-wise step is independent per row, and every matmul goe
 transformers is the loader and the reference here, never the executor: no HF module's forward
 is called, only its parameters are read.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -82,7 +83,12 @@ def build_network(loaded: LoadedModel, dtype: torch.dtype, device: torch.device)
     raise UnknownModel(f"the runner has no forward for architecture {loaded.arch!r}")
 
 
-def _param(t: Tensor | None, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+#: One layer's parameters by name: weights are tensors, a bias may be None (Llama has none).
+Block = dict[str, Any]
+
+
+def _param(t: Any, dtype: torch.dtype, device: torch.device) -> Any:
+    """``t`` (a weight, or a bias that may be None) detached, cast and contiguous on ``device``."""
     return None if t is None else t.detach().to(device=device, dtype=dtype).contiguous()
 
 
@@ -104,19 +110,25 @@ class GPT2Network(Network):
         p = lambda t: _param(t, dtype, device)  # noqa: E731
         body = model.transformer
         self.wte, self.wpe = p(body.wte.weight), p(body.wpe.weight)
-        self.ln_f = (p(body.ln_f.weight), p(body.ln_f.bias))
+        self.ln_f: tuple[Tensor, Tensor] = (p(body.ln_f.weight), p(body.ln_f.bias))
         self.lm_head = p(model.lm_head.weight.t())
         self.blocks = [self._block(b, p) for b in body.h]
 
     @staticmethod
-    def _block(b, p) -> dict[str, Tensor]:
+    def _block(b, p) -> Block:
         return {
-            "ln_1_w": p(b.ln_1.weight), "ln_1_b": p(b.ln_1.bias),
-            "qkv_w": p(b.attn.c_attn.weight), "qkv_b": p(b.attn.c_attn.bias),
-            "out_w": p(b.attn.c_proj.weight), "out_b": p(b.attn.c_proj.bias),
-            "ln_2_w": p(b.ln_2.weight), "ln_2_b": p(b.ln_2.bias),
-            "fc_w": p(b.mlp.c_fc.weight), "fc_b": p(b.mlp.c_fc.bias),
-            "proj_w": p(b.mlp.c_proj.weight), "proj_b": p(b.mlp.c_proj.bias),
+            "ln_1_w": p(b.ln_1.weight),
+            "ln_1_b": p(b.ln_1.bias),
+            "qkv_w": p(b.attn.c_attn.weight),
+            "qkv_b": p(b.attn.c_attn.bias),
+            "out_w": p(b.attn.c_proj.weight),
+            "out_b": p(b.attn.c_proj.bias),
+            "ln_2_w": p(b.ln_2.weight),
+            "ln_2_b": p(b.ln_2.bias),
+            "fc_w": p(b.mlp.c_fc.weight),
+            "fc_b": p(b.mlp.c_fc.bias),
+            "proj_w": p(b.mlp.c_proj.weight),
+            "proj_b": p(b.mlp.c_proj.bias),
         }
 
     def embed(self, ids: Tensor, positions: Tensor) -> Tensor:
@@ -159,8 +171,13 @@ class LlamaNetwork(Network):
         _require(rope_type in _STATIC_ROPE, "rope_type", rope_type)
         _require(cfg.hidden_act == "silu", "hidden_act", cfg.hidden_act)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.shape = Shape(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-                           head_dim, cfg.max_position_embeddings)
+        self.shape = Shape(
+            cfg.num_hidden_layers,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            head_dim,
+            cfg.max_position_embeddings,
+        )
         self.eps = cfg.rms_norm_eps
         p = lambda t: _param(t, dtype, device)  # noqa: E731
         body = model.model
@@ -171,16 +188,19 @@ class LlamaNetwork(Network):
         self.blocks = [self._block(b, p) for b in body.layers]
 
     @staticmethod
-    def _block(b, p) -> dict[str, Tensor | None]:
+    def _block(b, p) -> Block:
         a, m = b.self_attn, b.mlp
         return {
-            "norm_in": p(b.input_layernorm.weight), "norm_post": p(b.post_attention_layernorm.weight),
+            "norm_in": p(b.input_layernorm.weight),
+            "norm_post": p(b.post_attention_layernorm.weight),
             "qkv_w": p(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).t()),
             "qkv_b": _cat_bias(p, a.q_proj, a.k_proj, a.v_proj),
-            "o_w": p(a.o_proj.weight.t()), "o_b": p(a.o_proj.bias),
+            "o_w": p(a.o_proj.weight.t()),
+            "o_b": p(a.o_proj.bias),
             "gate_up_w": p(torch.cat([m.gate_proj.weight, m.up_proj.weight]).t()),
             "gate_up_b": _cat_bias(p, m.gate_proj, m.up_proj),
-            "down_w": p(m.down_proj.weight.t()), "down_b": p(m.down_proj.bias),
+            "down_w": p(m.down_proj.weight.t()),
+            "down_b": p(m.down_proj.bias),
         }
 
     def embed(self, ids: Tensor, positions: Tensor) -> Tensor:
@@ -193,8 +213,8 @@ class LlamaNetwork(Network):
         w, s = self.blocks[layer], self.shape
         h = rms_norm(x, w["norm_in"], self.eps)
         fused = linear(h, w["qkv_w"], w["qkv_b"], tile).view(x.shape[0], s.num_heads + 2 * s.num_kv_heads, s.head_dim)
-        qk = rotate(fused[:, :s.num_heads + s.num_kv_heads], *at)  # q and k heads rotated together
-        return qk[:, :s.num_heads], qk[:, s.num_heads:], fused[:, s.num_heads + s.num_kv_heads:]
+        qk = rotate(fused[:, : s.num_heads + s.num_kv_heads], *at)  # q and k heads rotated together
+        return qk[:, : s.num_heads], qk[:, s.num_heads :], fused[:, s.num_heads + s.num_kv_heads :]
 
     def finish(self, layer: int, x: Tensor, attn: Tensor, tile: Tile) -> Tensor:
         w = self.blocks[layer]
@@ -215,8 +235,7 @@ def _cat_bias(p, *projections) -> Tensor | None:
     """The fused projection's bias, or None when none of its parts has one."""
     if all(proj.bias is None for proj in projections):
         return None
-    parts = [proj.bias if proj.bias is not None else proj.weight.new_zeros(proj.out_features)
-             for proj in projections]
+    parts = [proj.bias if proj.bias is not None else proj.weight.new_zeros(proj.out_features) for proj in projections]
     return p(torch.cat(parts))
 
 

@@ -14,9 +14,10 @@ its own length (see ``layers.py`` and ``attention.py``), so a sequence's logits 
 same whether it is prefilled or decoded alone or beside any neighbours; the tests check exactly
 that. The check runs in the thread count of the moment: set threads before making the runner.
 """
+
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +42,9 @@ class KVPool:
     finite number.
     """
 
-    def __init__(self, network: Network, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, network: Network, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         s = network.shape
         size = (s.num_layers, 2, s.num_kv_heads, num_blocks, block_size, s.head_dim)
         self.kv = torch.zeros(size, dtype=dtype, device=device)
@@ -71,15 +73,26 @@ class KVPool:
 class ModelRunner:
     """Runs a LoadedModel's weights over a paged KV cache, prefill and batched decode."""
 
-    def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int,
-                 device: str = "cpu", dtype: str = "float32",
-                 batch_invariant: bool = True, tile_rows: int = 8, chunk_rows: int = 32,
-                 max_prefill_tokens: int = 128) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: str = "cpu",
+        dtype: str = "float32",
+        batch_invariant: bool = True,
+        tile_rows: int = 8,
+        chunk_rows: int = 32,
+        max_prefill_tokens: int = 128,
+    ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"ModelRunner dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
         if min(num_blocks, block_size, tile_rows, max_prefill_tokens) < 1:
-            raise ValueError(f"num_blocks, block_size, tile_rows and max_prefill_tokens must be >= 1, "
-                             f"got {num_blocks}, {block_size}, {tile_rows}, {max_prefill_tokens}")
+            raise ValueError(
+                f"num_blocks, block_size, tile_rows and max_prefill_tokens must be >= 1, "
+                f"got {num_blocks}, {block_size}, {tile_rows}, {max_prefill_tokens}"
+            )
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
         self.network = build_network(loaded, self.dtype, self.device)
@@ -145,8 +158,9 @@ class ModelRunner:
         parts = [logits for _, logits in self.prefill_packs(prompts, block_tables)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def prefill_packs(self, prompts: Sequence[Sequence[int]],
-                      block_tables: Sequence[Sequence[int]]) -> Iterator[tuple[list[int], Tensor]]:
+    def prefill_packs(
+        self, prompts: Sequence[Sequence[int]], block_tables: Sequence[Sequence[int]]
+    ) -> Iterator[tuple[list[int], Tensor]]:
         """``prefill_many`` one pass at a time: yields (indices of the prompts in the pass, their
         logits) as each pass ends, so a caller can hand out first tokens without waiting for
         the last pass."""
@@ -184,20 +198,26 @@ class ModelRunner:
         last = [b - 1 for b in starts[1:]]
         out_rows = len(last) if tile is None else tile.padded(len(last))
         x = x.index_select(0, self._long(last + [last[0]] * (out_rows - len(last))))
-        return net.logits(x, tile)[:len(last)].float()
+        return net.logits(x, tile)[: len(last)].float()
 
     @torch.inference_mode()
-    def decode(self, tokens: Sequence[int], positions: Sequence[int],
-               block_tables: Sequence[Sequence[int]]) -> Tensor:
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]]) -> Tensor:
         """One token per sequence, sequences of different lengths in one batched pass: token b
         sits at position positions[b] (= tokens already cached), its K/V is written there, and
         it attends to positions 0..positions[b]. Returns float32 logits (B, vocab)."""
         if not tokens:
             return torch.empty(0, self.network.vocab_size, device=self.device)
         self._check_positions(max(positions))
-        plan = plan_decode(positions, block_tables, self.block_size, invariant=self.batch_invariant,
-                           kv_heads=self.network.shape.num_kv_heads, dtype=self.dtype, device=self.device,
-                           span=self.span)
+        plan = plan_decode(
+            positions,
+            block_tables,
+            self.block_size,
+            invariant=self.batch_invariant,
+            kv_heads=self.network.shape.num_kv_heads,
+            dtype=self.dtype,
+            device=self.device,
+            span=self.span,
+        )
         rows = len(tokens)
         net, tile = self.network, self._tiling_now()
         padded = rows if tile is None else tile.padded(rows)

@@ -11,6 +11,7 @@ at once.
 A row whose distribution is not valid (NaN or no mass: a model overflow, parameters corrupted
 after validation) gets ``None`` instead of a token, and the engine ends that request alone.
 """
+
 from __future__ import annotations
 
 import logging
@@ -79,7 +80,7 @@ class Sampler:
                     valid[k] = False
         drawn = torch.argmax(torch.div(probs, noise, out=noise), dim=-1)
         both = torch.cat([greedy, drawn]).tolist()  # one transfer for the whole step
-        tokens: list[int | None] = list(both[:len(seqs)])
+        tokens: list[int | None] = list(both[: len(seqs)])
         for k, row in enumerate(sampled):
             tokens[row] = both[len(seqs) + k] if valid[k] else None
         return tokens
@@ -92,16 +93,18 @@ class Sampler:
         mass = probs.sum(dim=-1)  # NaN or inf if any entry is (entries are never negative)
         return probs, (torch.isfinite(mass) & (mass > 0)).tolist()
 
-    def _distributions_alone(self, logits: Tensor, seqs: Seq[Sequence], sampled: list[int]) -> tuple[Tensor, list[bool]]:
+    def _distributions_alone(
+        self, logits: Tensor, seqs: Seq[Sequence], sampled: list[int]
+    ) -> tuple[Tensor, list[bool]]:
         """Row by row, for when the batch raised: a row that still raises is that row's failure."""
         probs, valid = [], []
         for row in sampled:
             self._rows = None
             try:
-                p, ok = self._distributions(logits[row:row + 1], [seqs[row]], [0])
+                p, ok = self._distributions(logits[row : row + 1], [seqs[row]], [0])
             except Exception:
                 log.warning("sampling request %r failed", seqs[row].rid, exc_info=True)
-                p, ok = torch.zeros_like(logits[row:row + 1], dtype=torch.float32), [False]
+                p, ok = torch.zeros_like(logits[row : row + 1], dtype=torch.float32), [False]
             probs.append(p)
             valid += ok
         self._rows = None
@@ -126,13 +129,13 @@ class Sampler:
             temperature=torch.tensor([[p.temperature] for p in params], dtype=torch.float32, device=dev),
             top_p_rows=torch.tensor(filtered, device=dev) if filtered else None,
             top_p=torch.tensor([[params[k].top_p] for k in filtered], dtype=torch.float32, device=dev)
-            if filtered else None,
+            if filtered
+            else None,
         )
         return self._rows
 
 
-def _probabilities(logits: Tensor, temperature: Tensor, top_p_rows: Tensor | None,
-                   top_p: Tensor | None) -> Tensor:
+def _probabilities(logits: Tensor, temperature: Tensor, top_p_rows: Tensor | None, top_p: Tensor | None) -> Tensor:
     # Shift the best logit to 0 before dividing: a tiny temperature then sends the others to
     # -inf (probability 0) instead of overflowing every entry to inf and the softmax to NaN.
     shifted = logits - logits.amax(dim=-1, keepdim=True)
@@ -155,4 +158,3 @@ def _top_p(probs: Tensor, top_p: Tensor) -> Tensor:
     sorted_probs[drop] = 0.0
     kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return kept / kept.sum(dim=-1, keepdim=True)
-

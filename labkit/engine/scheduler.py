@@ -4,6 +4,7 @@ Other threads only ever touch the inbox. Everything else is changed by the step 
 forward passes, which is why cancelling a sequence can never pull tensors out from under the
 model: a cancel is a wish until the next step boundary carries it out.
 """
+
 from __future__ import annotations
 
 import threading
@@ -138,7 +139,9 @@ class Scheduler:
         running = {s.number for s in self.running}
         waiting = {s.number for s in self.waiting}
         assert not running & waiting, "a sequence is both running and waiting"
-        assert running | waiting == {s.number for s in self.live.values()}, "live sequences differ from running + waiting"
+        assert running | waiting == {s.number for s in self.live.values()}, (
+            "live sequences differ from running + waiting"
+        )
         assert all(rid == s.rid for rid, s in self.live.items()), "a live sequence is filed under another id"
         assert all(s.status is Status.RUNNING for s in self.running), "a running sequence is not RUNNING"
         assert all(s.status is Status.WAITING for s in self.waiting), "a waiting sequence is not WAITING"

@@ -1,4 +1,5 @@
 """One request's state inside the engine, from submit to finish."""
+
 from __future__ import annotations
 
 import enum

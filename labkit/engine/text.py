@@ -1,7 +1,9 @@
 """A sequence's text: incremental UTF-8 deltas with stop strings matched across tokens."""
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from labkit.engine.detok import IncrementalDetokenizer, StopMatcher
 

@@ -23,6 +23,7 @@ Optional: ``units(config) -> int`` (the progress bar's total) and ``summary(tabl
 New experiments are added by a line in :data:`EXPERIMENTS`; a module not yet written is simply
 not listed by :func:`names`.
 """
+
 from __future__ import annotations
 
 import importlib

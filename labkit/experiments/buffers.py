@@ -12,6 +12,7 @@ The model plays no part here (no token is generated), but each profile serves it
 anyway, so that what the notebook's first table says is served is what is served; loading
 SmolLM2 from its cache costs a few seconds.
 """
+
 from __future__ import annotations
 
 import array
@@ -89,8 +90,12 @@ def kernel_settings() -> pd.DataFrame:
 async def flood_once(url: str, size: int, config: Config) -> dict[str, Any]:
     """One client that never reads; the server's record of what it accepted, and the client's view."""
     flood_id = f"buffers-{size}-{uuid.uuid4().hex[:8]}"
-    body = {"flood_id": flood_id, "event_bytes": size, "block_threshold": config.block_threshold,
-            "count": max(1, min(1_000_000, config.flood_bytes // size))}
+    body = {
+        "flood_id": flood_id,
+        "event_bytes": size,
+        "block_threshold": config.block_threshold,
+        "count": max(1, min(1_000_000, config.flood_bytes // size)),
+    }
     conn = RawConnection(url)
     async with async_client(url, connections=2) as poll:
         try:
@@ -98,8 +103,11 @@ async def flood_once(url: str, size: int, config: Config) -> dict[str, Any]:
             started = time.perf_counter()
             await conn.send_post("/lab/flood", body)
             record = await _poll(poll, flood_id, lambda r: r["blocked"] or r["finished"], config.timeout)
-            seen = {"client_rcvbuf": conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
-                    "client_unread_bytes": unread_bytes(conn.sock), "seconds_to_block": time.perf_counter() - started}
+            seen = {
+                "client_rcvbuf": conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
+                "client_unread_bytes": unread_bytes(conn.sock),
+                "seconds_to_block": time.perf_counter() - started,
+            }
         finally:
             conn.leave("rst")
         final = await _poll(poll, flood_id, lambda r: r["finished"], config.timeout)
@@ -108,9 +116,12 @@ async def flood_once(url: str, size: int, config: Config) -> dict[str, Any]:
 
 def _accepted(record: dict[str, Any] | None) -> dict[str, Any]:
     record = record or {}
-    return {"blocked": bool(record.get("blocked")), "bytes_accepted": record.get("bytes_accepted"),
-            "events_accepted": record.get("events_accepted"),
-            "wire_bytes_accepted": record.get("wire_bytes_accepted")}
+    return {
+        "blocked": bool(record.get("blocked")),
+        "bytes_accepted": record.get("bytes_accepted"),
+        "events_accepted": record.get("events_accepted"),
+        "wire_bytes_accepted": record.get("wire_bytes_accepted"),
+    }
 
 
 async def _poll(client: Any, flood_id: str, done: Any, timeout: float, every: float = 0.02) -> dict[str, Any] | None:
@@ -135,20 +146,21 @@ def unread_bytes(sock: socket.socket) -> int:
 
 def by_size(floods: pd.DataFrame) -> pd.DataFrame:
     grouped = floods.groupby("event_bytes")
-    return pd.DataFrame({
-        "repetitions": grouped.size(),
-        "blocked": grouped.blocked.sum().astype(int),
-        "bytes_accepted_min": grouped.bytes_accepted.min(),
-        "bytes_accepted_max": grouped.bytes_accepted.max(),
-        "client_unread_min": grouped.client_unread_bytes.min(),
-        "client_unread_max": grouped.client_unread_bytes.max(),
-    }).reset_index()
+    return pd.DataFrame(
+        {
+            "repetitions": grouped.size(),
+            "blocked": grouped.blocked.sum().astype(int),
+            "bytes_accepted_min": grouped.bytes_accepted.min(),
+            "bytes_accepted_max": grouped.bytes_accepted.max(),
+            "client_unread_min": grouped.client_unread_bytes.min(),
+            "client_unread_max": grouped.client_unread_bytes.max(),
+        }
+    ).reset_index()
 
 
 def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
     table = tables["by_size"]
-    return {f"{int(r.event_bytes)}": [int(r.bytes_accepted_min), int(r.bytes_accepted_max)]
-            for r in table.itertuples()}
+    return {f"{int(r.event_bytes)}": [int(r.bytes_accepted_min), int(r.bytes_accepted_max)] for r in table.itertuples()}
 
 
 def report(tables: dict[str, pd.DataFrame]) -> str:
@@ -156,8 +168,10 @@ def report(tables: dict[str, pd.DataFrame]) -> str:
     the client left. Counts appear only when something did not happen."""
     floods = tables["floods"]
     lines = []
-    for column, what in (("blocked", "a write blocked while the client read nothing"),
-                         ("server_finished", "the server finished the response after the client left")):
+    for column, what in (
+        ("blocked", "a write blocked while the client read nothing"),
+        ("server_finished", "the server finished the response after the client left"),
+    ):
         missing = len(floods) - int(floods[column].sum())
         lines.append(f"{what}: " + ("every flood" if missing == 0 else f"{missing} of {len(floods)} floods did NOT"))
     return "\n".join(lines)
@@ -173,10 +187,18 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
     for rep, group in floods.groupby("repetition"):
         group = group.set_index("event_bytes").reindex(sizes)
         ax.plot(labels, group.bytes_accepted / 1024, "o", alpha=0.7, label=f"repetition {rep + 1}")
-    ax.plot(labels, floods.groupby("event_bytes").client_unread_bytes.median().reindex(sizes) / 1024, "k_",
-            markersize=18, label="in the client's receive buffer (median)")
-    ax.set(xlabel="size of one event", ylabel="KiB written before a write blocked",
-           title="A client that never reads: bytes accepted before the server blocks")
+    ax.plot(
+        labels,
+        floods.groupby("event_bytes").client_unread_bytes.median().reindex(sizes) / 1024,
+        "k_",
+        markersize=18,
+        label="in the client's receive buffer (median)",
+    )
+    ax.set(
+        xlabel="size of one event",
+        ylabel="KiB written before a write blocked",
+        title="A client that never reads: bytes accepted before the server blocks",
+    )
     ax.set_ylim(bottom=0)
     ax.legend()
     return [fig]

@@ -6,6 +6,7 @@ measured; nothing in the lab computes with them. Each ``*_beside`` function retu
 with one row per quantity: what it is, the chapter's figure (as the chapter states it), ours
 (from this run's tables), and the unit.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -34,26 +35,46 @@ def wire_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     passed = int((checks.passed[:-1] == checks.streams[:-1]).all())
     full = streams[streams.finish_reason == "length"]
     n = int(full.tokens.max()) if not full.empty else 0
-    return _table([
-        ("streams passing every check", "40 of 40", f"{len(streams) if passed else 'not all'} of {len(streams)}",
-         "streams"),
-        ("streams that ran to their token limit", "40 of 40", f"{len(full)} of {len(streams)}", "streams"),
-        ("bytes per token, whole stream (full-length streams)", "73–76", _range(full.bytes_per_token), "bytes"),
-        (f"one {n}-token stream", "about 2,400 (32 tokens)", _range(full.bytes), "bytes"),
-        ("one token event (median)", "—", f"{events.bytes[events.event == 'token'].median():.0f}", "bytes"),
-        ("token events with an empty delta", "0 of 1,280",
-         f"{int(streams.empty_deltas.sum())} of {int(streams.tokens.sum())}", "events"),
-    ])
+    return _table(
+        [
+            (
+                "streams passing every check",
+                "40 of 40",
+                f"{len(streams) if passed else 'not all'} of {len(streams)}",
+                "streams",
+            ),
+            ("streams that ran to their token limit", "40 of 40", f"{len(full)} of {len(streams)}", "streams"),
+            ("bytes per token, whole stream (full-length streams)", "73–76", _range(full.bytes_per_token), "bytes"),
+            (f"one {n}-token stream", "about 2,400 (32 tokens)", _range(full.bytes), "bytes"),
+            ("one token event (median)", "—", f"{events.bytes[events.event == 'token'].median():.0f}", "bytes"),
+            (
+                "token events with an empty delta",
+                "0 of 1,280",
+                f"{int(streams.empty_deltas.sum())} of {int(streams.tokens.sum())}",
+                "events",
+            ),
+        ]
+    )
 
 
 def isolation_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     streams = tables["streams"]
-    return _table([
-        ("concurrent streams identical to their solo run", "189 of 189",
-         f"{int(streams.identical.sum())} of {len(streams)}", "streams"),
-        ("levels compared", "1, 2, 4, 8, 16, 32 × 3",
-         ", ".join(map(str, sorted(streams.level.unique()))) + f" × {streams.repetition.nunique()}", "streams"),
-    ])
+    return _table(
+        [
+            (
+                "concurrent streams identical to their solo run",
+                "189 of 189",
+                f"{int(streams.identical.sum())} of {len(streams)}",
+                "streams",
+            ),
+            (
+                "levels compared",
+                "1, 2, 4, 8, 16, 32 × 3",
+                ", ".join(map(str, sorted(streams.level.unique()))) + f" × {streams.repetition.nunique()}",
+                "streams",
+            ),
+        ]
+    )
 
 
 def overlap_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
@@ -72,21 +93,41 @@ def overlap_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
         ("solo median gap between tokens", "10.1", f"{solo.gap_p50_s.median() * 1000:.1f}", "ms"),
         (f"median gap, {n} streams", "about 17 (for 32)", _range(top.gap_p50_s * 1000, "{:.1f}"), "ms"),
         (f"p99 gap, {n} streams", "22 (for 32)", _range(top.gap_p99_s * 1000, "{:.1f}"), "ms"),
-        (f"median / p99 time to first token, {n} streams", "441 / 442 (for 32, step-end delivery)",
-         f"{top.ttft_p50_s.median() * 1000:.0f} / {top.ttft_p99_s.median() * 1000:.0f}", "ms"),
+        (
+            f"median / p99 time to first token, {n} streams",
+            "441 / 442 (for 32, step-end delivery)",
+            f"{top.ttft_p50_s.median() * 1000:.0f} / {top.ttft_p99_s.median() * 1000:.0f}",
+            "ms",
+        ),
         ("decode step: fixed cost", "about 9.6", f"{fit.intercept_ms:.2f}", "ms"),
         ("decode step: cost per added sequence", "about 0.17", f"{fit.ms_per_sequence:.3f}", "ms"),
-        (f"step at {int(fit.largest_batch)} over step at 1", "1.5 (32 over 1)", f"{fit.largest_over_smallest:.2f}", "×"),
+        (
+            f"step at {int(fit.largest_batch)} over step at 1",
+            "1.5 (32 over 1)",
+            f"{fit.largest_over_smallest:.2f}",
+            "×",
+        ),
     ]
     chapter_joiners = {0: "16 (idle)", 8: "41 / 62 (8 running)", 24: "47 / 77 (24 running)"}
     for background in p50.index:
         label = "idle engine" if background == 0 else f"{background} long streams running"
-        rows.append((f"joiner first token, median / p99: {label}", chapter_joiners.get(background, "—"),
-                     f"{p50[background]:.0f} / {p99[background]:.0f}", "ms"))
+        rows.append(
+            (
+                f"joiner first token, median / p99: {label}",
+                chapter_joiners.get(background, "—"),
+                f"{p50[background]:.0f} / {p99[background]:.0f}",
+                "ms",
+            )
+        )
     for mode in delivery.index:
-        rows.append((f"median first token, {mode.replace('_', ' ')} delivery",
-                     "441 (32 streams, step end)" if mode == "step_end" else "not built (an exercise)",
-                     f"{delivery[mode]:.0f}", "ms"))
+        rows.append(
+            (
+                f"median first token, {mode.replace('_', ' ')} delivery",
+                "441 (32 streams, step end)" if mode == "step_end" else "not built (an exercise)",
+                f"{delivery[mode]:.0f}",
+                "ms",
+            )
+        )
     return _table(rows)
 
 
@@ -96,6 +137,12 @@ def buffers_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     for row in tables["by_size"].itertuples():
         low, high = int(row.bytes_accepted_min), int(row.bytes_accepted_max)
         ours = f"{low:,}" if low == high else f"{low:,}–{high:,}"
-        rows.append((f"accepted before the write blocks, {int(row.event_bytes):,}-byte events",
-                     chapter.get(int(row.event_bytes), "—"), ours, "bytes"))
+        rows.append(
+            (
+                f"accepted before the write blocks, {int(row.event_bytes):,}-byte events",
+                chapter.get(int(row.event_bytes), "—"),
+                ours,
+                "bytes",
+            )
+        )
     return _table(rows)

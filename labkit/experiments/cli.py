@@ -3,6 +3,7 @@
 The lead's ``labkit/cli.py`` calls :func:`add_run_arguments` and :func:`run_from_args`; everything
 else here is also usable from Python as :func:`run_experiment`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,25 +34,52 @@ class Outcome:
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", choices=[*EXPERIMENTS, "all"], help="an experiment, or all of them")
-    parser.add_argument("--profile", choices=PROFILES, default=None,
-                        help="ci: tiny model, few repetitions; full: SmolLM2, the chapter's sizes "
-                             "(default: $LABKIT_PROFILE, else ci)")
-    parser.add_argument("--model", default=None,
-                        help="serve this model instead of the profile's; with --target, the model to request "
-                             "(default: the first one GET /v1/models lists)")
+    parser.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default=None,
+        help="ci: tiny model, few repetitions; full: SmolLM2, the chapter's sizes (default: $LABKIT_PROFILE, else ci)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="serve this model instead of the profile's; with --target, the model to request "
+        "(default: the first one GET /v1/models lists)",
+    )
     parser.add_argument("--no-figures", action="store_true", help="write tables only")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--target", default=None, metavar="URL",
-                        help="measure this OpenAI-compatible server instead of starting labkit's "
-                             "(wire, overlap, disconnect; e.g. http://gpu-node:8000)")
-    parser.add_argument("--api", choices=("openai", "openai-chat"), default="openai",
-                        help="with --target: POST /v1/completions (openai) or /v1/chat/completions")
-    parser.add_argument("--target-pid", type=int, default=None, metavar="PID",
-                        help="with --target: the server's process id, when it runs on this machine")
-    parser.add_argument("--api-key-env", default=None, metavar="VAR",
-                        help="with --target: send the key in environment variable VAR as a bearer token")
-    parser.add_argument("--levels", default=None, metavar="1,4,16,...",
-                        help="with --target: overlap's concurrency levels (default: the profile's)")
+    parser.add_argument(
+        "--target",
+        default=None,
+        metavar="URL",
+        help="measure this OpenAI-compatible server instead of starting labkit's "
+        "(wire, overlap, disconnect; e.g. http://gpu-node:8000)",
+    )
+    parser.add_argument(
+        "--api",
+        choices=("openai", "openai-chat"),
+        default="openai",
+        help="with --target: POST /v1/completions (openai) or /v1/chat/completions",
+    )
+    parser.add_argument(
+        "--target-pid",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="with --target: the server's process id, when it runs on this machine",
+    )
+    parser.add_argument(
+        "--api-key-env",
+        default=None,
+        metavar="VAR",
+        help="with --target: send the key in environment variable VAR as a bearer token",
+    )
+    parser.add_argument(
+        "--levels",
+        default=None,
+        metavar="1,4,16,...",
+        help="with --target: overlap's concurrency levels (default: the profile's)",
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -71,8 +99,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_experiment(name: str, profile: Profile | None = None, *, figures: bool = True,
-                   show_progress: bool = False, **overrides: Any) -> Outcome:
+def run_experiment(
+    name: str, profile: Profile | None = None, *, figures: bool = True, show_progress: bool = False, **overrides: Any
+) -> Outcome:
     """Run experiment ``name`` under ``profile`` (``overrides`` replace config fields) and save it."""
     profile = profile or get_profile()
     module = load(name)

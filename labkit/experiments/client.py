@@ -19,14 +19,16 @@ client drains what is still in flight until the server closes (bounded), and clo
 ``close()`` with unread bytes in the receive buffer makes Linux send RST, which is why FIN needs
 the shutdown. Leaving "by RST" sets ``SO_LINGER`` to (on, 0) and closes: an abortive close.
 """
+
 from __future__ import annotations
 
 import asyncio
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Iterable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
@@ -34,8 +36,19 @@ import numpy as np
 from labkit.experiments.records import EventSplitter, LeaveBy, StreamResult, TimedEvent, json_or_text
 
 __all__ = [
-    "TimedEvent", "StreamResult", "ReadOptions", "EventSplitter", "timed_stream", "launch_streams",
-    "Launch", "launch_in_turn", "async_client", "percentiles", "run_sync", "leave_socket", "LeaveBy",
+    "TimedEvent",
+    "StreamResult",
+    "ReadOptions",
+    "EventSplitter",
+    "timed_stream",
+    "launch_streams",
+    "Launch",
+    "launch_in_turn",
+    "async_client",
+    "percentiles",
+    "run_sync",
+    "leave_socket",
+    "LeaveBy",
 ]
 
 T = TypeVar("T")
@@ -89,8 +102,14 @@ def _response_socket(response: httpx.Response) -> socket.socket | None:
 # --------------------------------------------------------------------------- httpx reader
 
 
-async def timed_stream(client: httpx.AsyncClient, body: dict[str, Any], *, path: str = "/v1/stream",
-                       options: ReadOptions = ReadOptions(), result: StreamResult | None = None) -> StreamResult:
+async def timed_stream(
+    client: httpx.AsyncClient,
+    body: dict[str, Any],
+    *,
+    path: str = "/v1/stream",
+    options: ReadOptions = ReadOptions(),
+    result: StreamResult | None = None,
+) -> StreamResult:
     """POST ``body`` to ``path`` and read the response as ``options`` say; never raises for I/O.
 
     ``client`` must have the server as ``base_url``; give it enough connections for the streams
@@ -107,8 +126,9 @@ async def timed_stream(client: httpx.AsyncClient, body: dict[str, Any], *, path:
     return result
 
 
-async def _read(client: httpx.AsyncClient, path: str, body: dict[str, Any], options: ReadOptions,
-                result: StreamResult) -> None:
+async def _read(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], options: ReadOptions, result: StreamResult
+) -> None:
     async with client.stream("POST", path, json=body) as response:
         _note_headers(response, result)
         if not result.content_type.startswith("text/event-stream"):
@@ -131,8 +151,9 @@ def _note_headers(response: httpx.Response, result: StreamResult) -> None:
     result.request_id = response.headers.get("x-request-id")
 
 
-async def _read_events(response: httpx.Response, splitter: EventSplitter, options: ReadOptions,
-                       result: StreamResult) -> None:
+async def _read_events(
+    response: httpx.Response, splitter: EventSplitter, options: ReadOptions, result: StreamResult
+) -> None:
     if _should_leave(result, options):
         return await _leave(response, options, result)
     deadline = None if options.leave_after_s is None else result.sent + options.leave_after_s
@@ -208,29 +229,35 @@ class Launch:
         return self.tokens / self.makespan if self.makespan > 0 else float("nan")
 
 
-def async_client(base_url: str, connections: int = 64, timeout: float = 300.0,
-                 headers: dict[str, str] | None = None) -> httpx.AsyncClient:
+def async_client(
+    base_url: str, connections: int = 64, timeout: float = 300.0, headers: dict[str, str] | None = None
+) -> httpx.AsyncClient:
     """An httpx client with one connection per concurrent stream and no proxy from the environment;
     ``headers`` go with every request (a target's ``Authorization``)."""
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     return httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout, trust_env=False, headers=headers)
 
 
-async def launch_streams(base_url: str, bodies: Sequence[dict[str, Any]],
-                         options: ReadOptions | Sequence[ReadOptions] = ReadOptions(), *,
-                         path: str = "/v1/stream", headers: dict[str, str] | None = None) -> Launch:
+async def launch_streams(
+    base_url: str,
+    bodies: Sequence[dict[str, Any]],
+    options: ReadOptions | Sequence[ReadOptions] = ReadOptions(),
+    *,
+    path: str = "/v1/stream",
+    headers: dict[str, str] | None = None,
+) -> Launch:
     """Send every body at once, each on its own connection, and read them all to the end."""
     opts = list(options) if isinstance(options, Sequence) else [options] * len(bodies)
     if len(opts) != len(bodies):
         raise ValueError(f"{len(bodies)} bodies but {len(opts)} read options")
     async with async_client(base_url, connections=max(1, len(bodies)), headers=headers) as client:
-        results = await asyncio.gather(*(timed_stream(client, b, path=path, options=o)
-                                         for b, o in zip(bodies, opts)))
+        results = await asyncio.gather(*(timed_stream(client, b, path=path, options=o) for b, o in zip(bodies, opts)))
     return Launch(list(results), _makespan(results))
 
 
-async def launch_in_turn(base_url: str, bodies: Sequence[dict[str, Any]], options: ReadOptions = ReadOptions(),
-                         *, path: str = "/v1/stream") -> Launch:
+async def launch_in_turn(
+    base_url: str, bodies: Sequence[dict[str, Any]], options: ReadOptions = ReadOptions(), *, path: str = "/v1/stream"
+) -> Launch:
     """Send the bodies one after another, each after the previous ended: the back-to-back baseline.
 
     ``makespan`` is then the sum of the runs, which is what serving them one by one would take.

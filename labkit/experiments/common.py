@@ -12,6 +12,7 @@ results.json`` and ``figures/*.png`` at the repository root. A ``ci`` run writes
 under ``build/ci/`` (git-ignored), so a test run never overwrites the committed full results.
 ``LABKIT_OUT`` moves the root for either.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,22 +21,44 @@ import json
 import os
 import platform
 import subprocess
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, is_dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import pandas as pd
 
 __all__ = [
-    "PROFILES", "Profile", "get_profile", "repo_root", "environment", "write_tables", "write_results",
-    "serving", "Progress", "tick", "doing", "save_run", "partial_dir",
+    "PROFILES",
+    "Profile",
+    "get_profile",
+    "repo_root",
+    "environment",
+    "write_tables",
+    "write_results",
+    "serving",
+    "Progress",
+    "tick",
+    "doing",
+    "save_run",
+    "partial_dir",
 ]
 
 PROFILES = ("ci", "full")
 _DEFAULT_MODEL = {"ci": "tiny-gpt2", "full": "smollm2-135m"}
-_PACKAGES = ("labkit", "torch", "transformers", "fastapi", "starlette", "uvicorn", "httpx", "numpy",
-             "pandas", "matplotlib")
+_PACKAGES = (
+    "labkit",
+    "torch",
+    "transformers",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "httpx",
+    "numpy",
+    "pandas",
+    "matplotlib",
+)
 
 
 @dataclass(frozen=True)
@@ -128,8 +151,9 @@ def _cpu_model() -> str:
 def _git_commit() -> str | None:
     """HEAD of the checkout, or None (no git, no commit yet). Read-only: ``git rev-parse``."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo_root(), capture_output=True,
-                             text=True, timeout=5, check=False)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=repo_root(), capture_output=True, text=True, timeout=5, check=False
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0:
@@ -152,9 +176,16 @@ def write_tables(name: str, tables: dict[str, pd.DataFrame], profile: Profile) -
     return paths
 
 
-def write_results(name: str, profile: Profile, *, config: Any, elapsed_s: float,
-                  tables: dict[str, pd.DataFrame], figures: list[Path] = (),  # type: ignore[assignment]
-                  summary: dict[str, Any] | None = None) -> Path:
+def write_results(
+    name: str,
+    profile: Profile,
+    *,
+    config: Any,
+    elapsed_s: float,
+    tables: dict[str, pd.DataFrame],
+    figures: list[Path] = (),  # type: ignore[assignment]
+    summary: dict[str, Any] | None = None,
+) -> Path:
     """``<data>/<name>/results.json``: the environment, the config, the headline numbers, the files."""
     folder = profile.data_dir / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -186,8 +217,14 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def save_run(module: Any, config: Any, profile: Profile, tables: dict[str, pd.DataFrame], elapsed_s: float,
-             figures: list[Any] | None = None) -> dict[str, Any]:
+def save_run(
+    module: Any,
+    config: Any,
+    profile: Profile,
+    tables: dict[str, pd.DataFrame],
+    elapsed_s: float,
+    figures: list[Any] | None = None,
+) -> dict[str, Any]:
     """Write one run of an experiment module: its CSVs, its figures and its ``results.json``.
 
     ``figures`` are the ones ``module.plot`` already drew (a notebook shows them first); None
@@ -201,8 +238,9 @@ def save_run(module: Any, config: Any, profile: Profile, tables: dict[str, pd.Da
     drawn = module.plot(tables) if figures is None else figures
     pngs = [savefig(fig, folder=profile.figures_dir) for fig in drawn]
     summary = module.summary(tables) if hasattr(module, "summary") else {}
-    results = write_results(module.NAME, profile, config=config, elapsed_s=elapsed_s, tables=tables,
-                            figures=pngs, summary=summary)
+    results = write_results(
+        module.NAME, profile, config=config, elapsed_s=elapsed_s, tables=tables, figures=pngs, summary=summary
+    )
     shutil.rmtree(partial_dir(module.NAME, profile), ignore_errors=True)  # the whole run replaces it
     return {"csvs": csvs, "figures": pngs, "results": results}
 

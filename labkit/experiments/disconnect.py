@@ -13,6 +13,7 @@ hub's ``close()`` ran; and tokens generated that nobody read (the server's count
 client's). Trials run a few at once (two repetitions, FIN and RST): each is timed on its own
 stream's timestamps, and four streams is exactly the batch limit.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +27,16 @@ import pandas as pd
 from labkit.experiments.client import run_sync
 from labkit.experiments.common import Profile, Progress, doing, tick
 from labkit.experiments.harness import (
-    beside, bodies, loaded_model, long_prompts, read_stream, server_checks, server_like, span, wait_released)
+    beside,
+    bodies,
+    loaded_model,
+    long_prompts,
+    read_stream,
+    server_checks,
+    server_like,
+    span,
+    wait_released,
+)
 from labkit.experiments.rawhttp import raw_stream
 from labkit.experiments.records import LeaveBy, StreamResult
 
@@ -59,11 +69,15 @@ class Config:
 
     def __post_init__(self) -> None:
         if set(self.moments) - set(MOMENTS) or set(self.response_classes) - set(CLASSES):
-            raise ValueError(f"disconnect.Config: moments from {MOMENTS} and classes from {CLASSES}, "
-                             f"got {self.moments!r}, {self.response_classes!r}")
+            raise ValueError(
+                f"disconnect.Config: moments from {MOMENTS} and classes from {CLASSES}, "
+                f"got {self.moments!r}, {self.response_classes!r}"
+            )
         if not 0 < self.early_tokens < self.max_new_tokens // 2 < self.max_new_tokens - self.end_margin:
-            raise ValueError(f"disconnect.Config: need 0 < early_tokens < max_new_tokens/2 < max_new_tokens - "
-                             f"end_margin, got {self.early_tokens}, {self.max_new_tokens}, {self.end_margin}")
+            raise ValueError(
+                f"disconnect.Config: need 0 < early_tokens < max_new_tokens/2 < max_new_tokens - "
+                f"end_margin, got {self.early_tokens}, {self.max_new_tokens}, {self.end_margin}"
+            )
         if self.repetitions < 1 or self.at_once < 1:
             raise ValueError("disconnect.Config.repetitions and at_once must be >= 1")
 
@@ -82,8 +96,13 @@ def units(config: Config) -> int:
 
 def leave_after(config: Config, moment: str) -> int:
     """Tokens a client reads before it leaves (0: as soon as the headers are in)."""
-    return {"waiting": 0, "before_first": 0, "early": config.early_tokens, "mid": config.max_new_tokens // 2,
-            "near_end": config.max_new_tokens - config.end_margin}[moment]
+    return {
+        "waiting": 0,
+        "before_first": 0,
+        "early": config.early_tokens,
+        "mid": config.max_new_tokens // 2,
+        "near_end": config.max_new_tokens - config.end_margin,
+    }[moment]
 
 
 def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
@@ -96,7 +115,10 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
             for moment in config.moments:
                 for first in range(0, config.repetitions, config.at_once):
                     reps = range(first, min(first + config.at_once, config.repetitions))
-                    doing(progress, f"{kind}: leave {moment}, repetitions {reps.start + 1}-{reps.stop}/{config.repetitions}")
+                    doing(
+                        progress,
+                        f"{kind}: leave {moment}, repetitions {reps.start + 1}-{reps.stop}/{config.repetitions}",
+                    )
                     rows += run_sync(trial_group(srv, config, prompts, kind, moment, list(reps)))
                     tick(progress, trials=rows)
             checks.append({"response_class": kind, **release_books(srv, before), **server_checks(srv)})
@@ -107,15 +129,24 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
 # --------------------------------------------------------------------------- one group of trials
 
 
-async def trial_group(srv: Any, config: Config, prompts: list[int], kind: str, moment: str,
-                      reps: list[int]) -> list[dict[str, Any]]:
+async def trial_group(
+    srv: Any, config: Config, prompts: list[int], kind: str, moment: str, reps: list[int]
+) -> list[dict[str, Any]]:
     """FIN and RST clients for each repetition in ``reps``, at once; a row per client."""
     plan = [(rep, how) for rep in reps for how in config.leave_by]
     blockers = await _fill_batch(srv, config, prompts) if moment == "waiting" else []
-    requests = bodies(prompts[len(blockers):] or prompts, len(plan), config.max_new_tokens)
-    clients = [raw_stream(srv.url, body, leave_after_tokens=leave_after(config, moment), leave_by=how,
-                          drain_after_fin_s=config.drain_after_fin_s, timeout=config.timeout)
-               for body, (_, how) in zip(requests, plan)]
+    requests = bodies(prompts[len(blockers) :] or prompts, len(plan), config.max_new_tokens)
+    clients = [
+        raw_stream(
+            srv.url,
+            body,
+            leave_after_tokens=leave_after(config, moment),
+            leave_by=how,
+            drain_after_fin_s=config.drain_after_fin_s,
+            timeout=config.timeout,
+        )
+        for body, (_, how) in zip(requests, plan)
+    ]
     results = await asyncio.gather(*clients)
     records = await wait_released(srv.hub, [r.request_id for r in results], timeout=config.timeout)
     await asyncio.gather(*blockers)
@@ -143,13 +174,22 @@ def trial_row(kind: str, moment: str, rep: int, how: str, r: StreamResult, rec: 
     def since_left(t: float | None) -> float:
         return np.nan if t is None or left is None else 1000 * (t - left)
 
-    return {"response_class": kind, "moment": moment, "repetition": rep, "leave_by": how,
-            "tokens_read": len(r.tokens), "tokens_generated": generated, "tokens_unread": generated - len(r.tokens),
-            "admitted_before_leave": sampled is not None and left is not None and sampled <= left,
-            "ever_admitted": sampled is not None, "close_to_release_ms": since_left(getattr(rec, "released", None)),
-            "close_to_hub_close_ms": since_left(getattr(rec, "closed", None)),
-            "engine_finish": getattr(rec, "finish_reason", None), "left": r.left is not None,
-            "error": r.error}
+    return {
+        "response_class": kind,
+        "moment": moment,
+        "repetition": rep,
+        "leave_by": how,
+        "tokens_read": len(r.tokens),
+        "tokens_generated": generated,
+        "tokens_unread": generated - len(r.tokens),
+        "admitted_before_leave": sampled is not None and left is not None and sampled <= left,
+        "ever_admitted": sampled is not None,
+        "close_to_release_ms": since_left(getattr(rec, "released", None)),
+        "close_to_hub_close_ms": since_left(getattr(rec, "closed", None)),
+        "engine_finish": getattr(rec, "finish_reason", None),
+        "left": r.left is not None,
+        "error": r.error,
+    }
 
 
 # --------------------------------------------------------------------------- books and tables
@@ -158,8 +198,12 @@ def trial_row(kind: str, moment: str, rep: int, how: str, r: StreamResult, rec: 
 def books(srv: Any) -> dict[str, Any]:
     """The server's counters now, to subtract from later ones (a notebook's server may be reused)."""
     hub = srv.hub.stats()
-    return {"stats": srv.engine.stats(), "records": len(srv.hub.records()), "late_events": hub.late_events,
-            "errors": hub.errors}
+    return {
+        "stats": srv.engine.stats(),
+        "records": len(srv.hub.records()),
+        "late_events": hub.late_events,
+        "errors": hub.errors,
+    }
 
 
 def release_books(srv: Any, before: dict[str, Any]) -> dict[str, Any]:
@@ -168,34 +212,43 @@ def release_books(srv: Any, before: dict[str, Any]) -> dict[str, Any]:
     Exactly-once means finished == submitted (every stream ended once) and releases == admitted
     (a stream cancelled while it waited never held a block, so it has nothing to release).
     """
-    after, records = srv.engine.stats(), srv.hub.records()[before["records"]:]
+    after, records = srv.engine.stats(), srv.hub.records()[before["records"] :]
     finished = sum(after["finished"].values()) - sum(before["stats"]["finished"].values())
-    return {"submitted": len(records), "finished": finished,
-            "admitted": sum(1 for r in records if r.first_token_sampled is not None),
-            "releases": after["releases"] - before["stats"]["releases"],
-            "late_events": srv.hub.stats().late_events - before["late_events"],
-            "hub_errors": srv.hub.stats().errors - before["errors"]}
+    return {
+        "submitted": len(records),
+        "finished": finished,
+        "admitted": sum(1 for r in records if r.first_token_sampled is not None),
+        "releases": after["releases"] - before["stats"]["releases"],
+        "late_events": srv.hub.stats().late_events - before["late_events"],
+        "hub_errors": srv.hub.stats().errors - before["errors"],
+    }
 
 
 def by_moment(trials: pd.DataFrame) -> pd.DataFrame:
     """Per response class, moment and way of leaving: close-to-release and unread tokens."""
     grouped = trials.groupby(["response_class", "moment", "leave_by"], sort=False)
-    return grouped.agg(trials=("tokens_read", "size"), tokens_read_max=("tokens_read", "max"),
-                       release_ms_median=("close_to_release_ms", "median"),
-                       release_ms_max=("close_to_release_ms", "max"),
-                       unread_median=("tokens_unread", "median"), unread_max=("tokens_unread", "max"),
-                       admitted_before_leave=("admitted_before_leave", "sum"),
-                       ever_admitted=("ever_admitted", "sum")).reset_index()
+    return grouped.agg(
+        trials=("tokens_read", "size"),
+        tokens_read_max=("tokens_read", "max"),
+        release_ms_median=("close_to_release_ms", "median"),
+        release_ms_max=("close_to_release_ms", "max"),
+        unread_median=("tokens_unread", "median"),
+        unread_max=("tokens_unread", "max"),
+        admitted_before_leave=("admitted_before_leave", "sum"),
+        ever_admitted=("ever_admitted", "sum"),
+    ).reset_index()
 
 
 def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
     trials = tables["trials"]
     out: dict[str, Any] = {}
     for kind, group in trials.groupby("response_class"):
-        out[kind] = {"release_ms_max": float(group.close_to_release_ms.max()),
-                     "release_ms_median": float(group.close_to_release_ms.median()),
-                     "unread_max": int(group.tokens_unread.max()),
-                     "waiting_ever_admitted": int(group[group.moment == "waiting"].ever_admitted.sum())}
+        out[kind] = {
+            "release_ms_max": float(group.close_to_release_ms.max()),
+            "release_ms_median": float(group.close_to_release_ms.median()),
+            "unread_max": int(group.tokens_unread.max()),
+            "waiting_ever_admitted": int(group[group.moment == "waiting"].ever_admitted.sum()),
+        }
     return out
 
 
@@ -204,19 +257,41 @@ def beside_chapter(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     listen, write = trials[trials.response_class == "starlette"], trials[trials.response_class == "write_only"]
     abandoned = write[write.moment != "waiting"]
     fin_rst = listen.groupby("leave_by").close_to_release_ms.median()
-    return beside([
-        ("Starlette's class: largest close-to-release", "34.5", span([listen.close_to_release_ms.max()], "{:.1f}"), "ms"),
-        ("Starlette's class: tokens generated that nobody read", "at most 1", span(listen.tokens_unread, "{:.0f}"), "tokens"),
-        ("Starlette's class: waiting streams ever admitted", "none",
-         f"{int(listen[listen.moment == 'waiting'].ever_admitted.sum())} of {int((listen.moment == 'waiting').sum())}",
-         "streams"),
-        ("Starlette's class: median release, FIN / RST", "no consistent difference",
-         " / ".join(f"{fin_rst.get(k, float('nan')):.1f}" for k in ("fin", "rst")), "ms"),
-        ("write-only: abandoned sequences run to their limit", "48 of 48 (limit 200)",
-         f"{int((write.engine_finish == 'length').sum())} of {len(write)} (limit {int(write.tokens_generated.max())})",
-         "streams"),
-        ("write-only: tokens the clients had read", "0–20", span(abandoned.tokens_read, "{:.0f}"), "tokens"),
-    ])
+    return beside(
+        [
+            (
+                "Starlette's class: largest close-to-release",
+                "34.5",
+                span([listen.close_to_release_ms.max()], "{:.1f}"),
+                "ms",
+            ),
+            (
+                "Starlette's class: tokens generated that nobody read",
+                "at most 1",
+                span(listen.tokens_unread, "{:.0f}"),
+                "tokens",
+            ),
+            (
+                "Starlette's class: waiting streams ever admitted",
+                "none",
+                f"{int(listen[listen.moment == 'waiting'].ever_admitted.sum())} of {int((listen.moment == 'waiting').sum())}",
+                "streams",
+            ),
+            (
+                "Starlette's class: median release, FIN / RST",
+                "no consistent difference",
+                " / ".join(f"{fin_rst.get(k, float('nan')):.1f}" for k in ("fin", "rst")),
+                "ms",
+            ),
+            (
+                "write-only: abandoned sequences run to their limit",
+                "48 of 48 (limit 200)",
+                f"{int((write.engine_finish == 'length').sum())} of {len(write)} (limit {int(write.tokens_generated.max())})",
+                "streams",
+            ),
+            ("write-only: tokens the clients had read", "0–20", span(abandoned.tokens_read, "{:.0f}"), "tokens"),
+        ]
+    )
 
 
 def findings(tables: dict[str, pd.DataFrame]) -> str:
@@ -226,16 +301,20 @@ def findings(tables: dict[str, pd.DataFrame]) -> str:
     listen = trials[trials.response_class == "starlette"]
     if len(listen):
         waiting = listen[listen.moment == "waiting"]
-        said.append(f"With Starlette's class the engine released a departed client's stream a median of "
-                    f"{listen.close_to_release_ms.median():.0f} ms after the close (largest "
-                    f"{listen.close_to_release_ms.max():.0f} ms), with at most {int(listen.tokens_unread.max())} "
-                    f"token(s) generated that nobody read; {int(waiting.ever_admitted.sum())} of {len(waiting)} "
-                    f"requests left while waiting were ever admitted.")
+        said.append(
+            f"With Starlette's class the engine released a departed client's stream a median of "
+            f"{listen.close_to_release_ms.median():.0f} ms after the close (largest "
+            f"{listen.close_to_release_ms.max():.0f} ms), with at most {int(listen.tokens_unread.max())} "
+            f"token(s) generated that nobody read; {int(waiting.ever_admitted.sum())} of {len(waiting)} "
+            f"requests left while waiting were ever admitted."
+        )
     write = trials[trials.response_class == "write_only"]
     if len(write):
-        said.append(f"With the write-only class {int((write.engine_finish == 'length').sum())} of {len(write)} "
-                    f"abandoned streams ran to their limit of {int(write.tokens_generated.max())} tokens, released a "
-                    f"median of {write.close_to_release_ms.median() / 1000:.1f} s after their clients had gone.")
+        said.append(
+            f"With the write-only class {int((write.engine_finish == 'length').sum())} of {len(write)} "
+            f"abandoned streams ran to their limit of {int(write.tokens_generated.max())} tokens, released a "
+            f"median of {write.close_to_release_ms.median() / 1000:.1f} s after their clients had gone."
+        )
     return " ".join(said)
 
 
@@ -246,8 +325,10 @@ def report(tables: dict[str, pd.DataFrame]) -> str:
         whole = "cache whole" if row.cache_whole else "CACHE NOT WHOLE"
         once = "each stream finished once" if row.finished == row.submitted else "FINISHES != STREAMS"
         released = "one release per admitted stream" if row.releases == row.admitted else "RELEASES != ADMITTED"
-        lines.append(f"{row.response_class}: {whole}; {once}; {released}; {row.open_streams} streams open, "
-                     f"{row.running} running, {row.waiting} waiting")
+        lines.append(
+            f"{row.response_class}: {whole}; {once}; {released}; {row.open_streams} streams open, "
+            f"{row.running} running, {row.waiting} waiting"
+        )
     return "\n".join(lines + _behaviour(tables["trials"]))
 
 
@@ -258,12 +339,16 @@ def _behaviour(trials: pd.DataFrame) -> list[str]:
     waited = listening[listening.moment == "waiting"]
     lines = []
     if len(waited):
-        lines.append("starlette: a client that left while waiting was never admitted: "
-                     + ("yes" if not waited.ever_admitted.any() else f"NOT ({int(waited.ever_admitted.sum())} were)"))
+        lines.append(
+            "starlette: a client that left while waiting was never admitted: "
+            + ("yes" if not waited.ever_admitted.any() else f"NOT ({int(waited.ever_admitted.sum())} were)")
+        )
     if len(writing):
         short = int((writing.engine_finish != "length").sum())
-        lines.append("write_only: every stream generated to its limit after its client left: "
-                     + ("yes" if short == 0 else f"NOT ({short} ended early)"))
+        lines.append(
+            "write_only: every stream generated to its limit after its client left: "
+            + ("yes" if short == 0 else f"NOT ({short} ended early)")
+        )
     return lines
 
 
@@ -279,8 +364,12 @@ def _plot_release(trials: pd.DataFrame):
         for offset, (how, part) in zip((-0.12, 0.12), group.groupby("leave_by", sort=False)):
             xs = [MOMENTS.index(m) + offset for m in part.moment]
             ax.scatter(xs, part.close_to_release_ms.clip(lower=0.1), s=14, label=how.upper())
-        ax.set(yscale="log", xticks=range(len(MOMENTS)), title=kind.replace("_", "-"),
-               ylabel="ms from the client's close to the release")
+        ax.set(
+            yscale="log",
+            xticks=range(len(MOMENTS)),
+            title=kind.replace("_", "-"),
+            ylabel="ms from the client's close to the release",
+        )
         ax.set_ylim(0.5 * trials.close_to_release_ms.clip(lower=0.1).min(), 2 * trials.close_to_release_ms.max())
         ax.set_xticklabels([m.replace("_", " ") for m in MOMENTS], rotation=20)
         ax.legend()
@@ -293,6 +382,5 @@ def _plot_unread(trials: pd.DataFrame):
     fig, (ax,) = new_figure("disconnect_unread")
     table = trials.groupby(["moment", "response_class"]).tokens_unread.mean().unstack().reindex(MOMENTS)
     table.plot.bar(ax=ax, rot=20)
-    ax.set(xlabel="", ylabel="tokens generated that nobody read (mean)",
-           title="Work done for a client that had gone")
+    ax.set(xlabel="", ylabel="tokens generated that nobody read (mean)", title="Work done for a client that had gone")
     return fig

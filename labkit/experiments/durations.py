@@ -4,6 +4,7 @@ Why a table and not a sentence: a notebook states its expected duration from the
 run, so the number changes when the code does and no one has to remember to retype it. One row
 per notebook and profile, plus a ``total`` row, each with the commit and date of the run.
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -36,11 +37,20 @@ def record_durations(profile: Profile, seconds: dict[str, float], commit: str | 
     old = read_durations(profile)
     old = old[(old.profile == profile.name) & ~old.notebook.isin([*seconds, TOTAL])]
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    new = pd.DataFrame([{"notebook": nb, "profile": profile.name, "seconds": round(s, 1), "commit": commit or "",
-                         "date": date} for nb, s in seconds.items()])
+    new = pd.DataFrame(
+        [
+            {"notebook": nb, "profile": profile.name, "seconds": round(s, 1), "commit": commit or "", "date": date}
+            for nb, s in seconds.items()
+        ]
+    )
     rows = pd.concat([old, new], ignore_index=True).sort_values("notebook")
-    total = {"notebook": TOTAL, "profile": profile.name, "seconds": round(float(rows.seconds.sum()), 1),
-             "commit": commit or "", "date": date}
+    total = {
+        "notebook": TOTAL,
+        "profile": profile.name,
+        "seconds": round(float(rows.seconds.sum()), 1),
+        "commit": commit or "",
+        "date": date,
+    }
     table = pd.concat([rows, pd.DataFrame([total])], ignore_index=True)[COLUMNS]
     path = durations_path(profile)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -49,7 +59,7 @@ def record_durations(profile: Profile, seconds: dict[str, float], commit: str | 
 
 
 def expected_duration(notebook: str, profile: Profile) -> str:
-    """"about 11 min (make lab at abc1234, 2026-11-30)", or why there is no number yet."""
+    """ "about 11 min (make lab at abc1234, 2026-11-30)", or why there is no number yet."""
     table = read_durations(profile)
     row = table[(table.notebook == notebook) & (table.profile == profile.name)]
     if row.empty:

@@ -12,13 +12,15 @@
 Times are ``time.perf_counter()``: the server runs in this process, so its records and the
 client's times are on one clock.
 """
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import pandas as pd
 
@@ -27,8 +29,21 @@ from labkit.experiments.rawhttp import ChunkedDecoder, RawConnection, recorded
 from labkit.experiments.records import EventSplitter, LeaveBy, StreamResult
 from labkit.prompts import PROMPTS
 
-__all__ = ["Leave", "read_stream", "stream_body", "bodies", "long_prompts", "launch_readers", "Sampler", "server_like",
-           "loaded_model", "wait_released", "server_checks", "beside", "span"]
+__all__ = [
+    "Leave",
+    "read_stream",
+    "stream_body",
+    "bodies",
+    "long_prompts",
+    "launch_readers",
+    "Sampler",
+    "server_like",
+    "loaded_model",
+    "wait_released",
+    "server_checks",
+    "beside",
+    "span",
+]
 
 _POLL = 0.1  # a reader with nothing to read checks its Leave flag this often
 
@@ -43,10 +58,19 @@ class Leave:
         self.now = True
 
 
-async def read_stream(url: str, body: dict[str, Any], *, sleep: float = 0.0, read_bytes: int = 64 * 1024,
-                      leave_after_tokens: int | None = None, leave_after_s: float = 120.0,
-                      leave_by: LeaveBy = "rst", drain_after_fin_s: float = 0.5, leave: Leave | None = None,
-                      result: StreamResult | None = None) -> StreamResult:
+async def read_stream(
+    url: str,
+    body: dict[str, Any],
+    *,
+    sleep: float = 0.0,
+    read_bytes: int = 64 * 1024,
+    leave_after_tokens: int | None = None,
+    leave_after_s: float = 120.0,
+    leave_by: LeaveBy = "rst",
+    drain_after_fin_s: float = 0.5,
+    leave: Leave | None = None,
+    result: StreamResult | None = None,
+) -> StreamResult:
     """POST ``body``; read at most ``read_bytes`` per read, sleep ``sleep`` s after each; leave by
     ``leave_by`` after ``leave_after_tokens`` tokens, after ``leave_after_s`` s, or when ``leave``
     is set. After a FIN it reads on (uncounted) until the server closes, so the close stays a FIN
@@ -139,8 +163,11 @@ def long_prompts(model: Any, tokens: int, want: int = 8) -> list[int]:
     for start in range(0, len(PROMPTS), want):
         if len(long_enough()) >= want:
             break
-        todo = [i for i in range(start, min(start + want, len(PROMPTS)))
-                if i not in known or known[i][1] == known[i][0] < tokens]  # unknown, or ran out of tokens
+        todo = [
+            i
+            for i in range(start, min(start + want, len(PROMPTS)))
+            if i not in known or known[i][1] == known[i][0] < tokens
+        ]  # unknown, or ran out of tokens
         lengths = _answer_lengths(model, [PROMPTS[i] for i in todo], tokens) if todo else []
         known.update((i, (tokens, n)) for i, n in zip(todo, lengths))
     if not long_enough():
@@ -180,8 +207,15 @@ class Sampler:
         while not self._stop.is_set():
             stats = self.server.engine.stats()
             queued = sum(len(s) for s in self.server.hub.streams())
-            self.rows.append({"t": time.perf_counter(), "running": stats["running"], "paused": stats["paused"],
-                              "waiting": stats["waiting"], "queued_events": queued})
+            self.rows.append(
+                {
+                    "t": time.perf_counter(),
+                    "running": stats["running"],
+                    "paused": stats["paused"],
+                    "waiting": stats["waiting"],
+                    "queued_events": queued,
+                }
+            )
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.every)
 
@@ -193,9 +227,15 @@ class Sampler:
         return table.assign(t=table.t - t0)
 
 
-async def launch_readers(server: Any, requests: Sequence[dict[str, Any]], reads: Sequence[dict[str, Any]], *,
-                         first: int = 0, leave_first_after_rest: bool = False,
-                         every: float = 0.01) -> tuple[list[StreamResult], pd.DataFrame, float]:
+async def launch_readers(
+    server: Any,
+    requests: Sequence[dict[str, Any]],
+    reads: Sequence[dict[str, Any]],
+    *,
+    first: int = 0,
+    leave_first_after_rest: bool = False,
+    every: float = 0.01,
+) -> tuple[list[StreamResult], pd.DataFrame, float]:
     """Start ``requests`` with per-reader options ``reads`` (for :func:`read_stream`); returns the
     results, the samples (``t`` from launch) and the launch time.
 
@@ -306,6 +346,11 @@ def server_checks(server: Any, timeout: float = 30.0) -> dict[str, Any]:
     except AssertionError as exc:
         what = str(exc) or "check_integrity failed"
     whole = not what and stats["free_blocks"] == stats["total_blocks"]
-    return {"cache_whole": whole, "held_blocks": stats["reserved_blocks"], "running": stats["running"],
-            "waiting": stats["waiting"], "open_streams": server.hub.open_streams, "what": what}
-
+    return {
+        "cache_whole": whole,
+        "held_blocks": stats["reserved_blocks"],
+        "running": stats["running"],
+        "waiting": stats["waiting"],
+        "open_streams": server.hub.open_streams,
+        "what": what,
+    }

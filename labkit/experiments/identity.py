@@ -7,6 +7,7 @@ coarser and a different order of a sum is more likely to flip a near tie. Each i
 experiment 2: where two runs split, the first differing position and the float32 reference
 model's logit margin between the two tokens there.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,16 @@ from labkit.prompts import PROMPTS
 __all__ = ["measure_identity", "generate", "compare", "add_margins", "identity_table"]
 
 
-def measure_identity(srv: Any, *, streams: int, tokens: int, temperature: float, top_p: float, seed: int,
-                     progress: Progress | None = None) -> pd.DataFrame:
+def measure_identity(
+    srv: Any,
+    *,
+    streams: int,
+    tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    progress: Progress | None = None,
+) -> pd.DataFrame:
     """Token ids of the first ``streams`` prompts run alone and all at once: sampled (prompt i with
     seed ``seed + i``) in float32, greedy in bfloat16; and greedy bfloat16 against float32, alone.
     The bfloat16 server is started here, on the same loaded model (the runner copies the weights)."""
@@ -40,17 +49,26 @@ def measure_identity(srv: Any, *, streams: int, tokens: int, temperature: float,
     with server_like(None, srv.engine.model, dtype="bfloat16", max_batch=n, policy="unbounded") as bf16:
         bf16_solo, bf16_all = (run_sync(generate(bf16.url, greedy, together=t)) for t in (False, True))
     tick(progress)
-    rows = (compare("sampled float32: all at once vs alone", sampled_solo, sampled_all)
-            + compare("greedy bfloat16: all at once vs alone", bf16_solo, bf16_all)
-            + compare("greedy alone: bfloat16 vs float32", f32, bf16_solo))
-    return add_margins(pd.DataFrame(rows), srv.engine.model, tokens_by_prompt={
-        "sampled float32: all at once vs alone": sampled_solo, "greedy bfloat16: all at once vs alone": bf16_solo,
-        "greedy alone: bfloat16 vs float32": f32})
+    rows = (
+        compare("sampled float32: all at once vs alone", sampled_solo, sampled_all)
+        + compare("greedy bfloat16: all at once vs alone", bf16_solo, bf16_all)
+        + compare("greedy alone: bfloat16 vs float32", f32, bf16_solo)
+    )
+    return add_margins(
+        pd.DataFrame(rows),
+        srv.engine.model,
+        tokens_by_prompt={
+            "sampled float32: all at once vs alone": sampled_solo,
+            "greedy bfloat16: all at once vs alone": bf16_solo,
+            "greedy alone: bfloat16 vs float32": f32,
+        },
+    )
 
 
 async def generate(url: str, requests: list[dict[str, Any]], together: bool) -> list[list[int]]:
     """Token ids from ``/v1/generate`` for each request, all at once or one after another."""
     async with async_client(url, connections=len(requests)) as client:
+
         async def one(body: dict[str, Any]) -> list[int]:
             response = await client.post("/v1/generate", json=body)
             return response.json()["token_ids"]
@@ -64,9 +82,21 @@ def compare(what: str, reference: list[list[int]], other: list[list[int]]) -> li
     rows = []
     for i, (a, b) in enumerate(zip(reference, other)):
         pos = first_difference(a, b)
-        token = lambda ids: ids[pos] if pos is not None and pos < len(ids) else None  # noqa: E731
-        rows.append({"comparison": what, "prompt": i, "identical": pos is None, "first_diff": pos,
-                     "reference_token": token(a), "other_token": token(b), "length": len(a)})
+
+        def token(ids: list[int], pos: int | None = pos) -> int | None:
+            return ids[pos] if pos is not None and pos < len(ids) else None
+
+        rows.append(
+            {
+                "comparison": what,
+                "prompt": i,
+                "identical": pos is None,
+                "first_diff": pos,
+                "reference_token": token(a),
+                "other_token": token(b),
+                "length": len(a),
+            }
+        )
     return rows
 
 
@@ -85,6 +115,11 @@ def add_margins(rows: pd.DataFrame, model: Any, tokens_by_prompt: dict[str, list
 
 def identity_table(identity: pd.DataFrame) -> pd.DataFrame:
     grouped = identity.groupby("comparison", sort=False)
-    return pd.DataFrame({"streams": grouped.size(), "identical": grouped.identical.sum().astype(int),
-                         "earliest_divergence": grouped.first_diff.min(),
-                         "smallest_margin": grouped.margin.apply(lambda m: m.abs().min())}).reset_index()
+    return pd.DataFrame(
+        {
+            "streams": grouped.size(),
+            "identical": grouped.identical.sum().astype(int),
+            "earliest_divergence": grouped.first_diff.min(),
+            "smallest_margin": grouped.margin.apply(lambda m: m.abs().min()),
+        }
+    ).reset_index()

@@ -9,6 +9,7 @@ differ we report the first differing position and, from the reference model (pla
 transformers, no batching), the logit margin between the two tokens there: a small margin says
 "a near tie broken differently", a large one says "a bug".
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -66,7 +67,9 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
             for rep in range(config.repetitions):
                 doing(progress, f"{level} streams at once, repetition {rep + 1}/{config.repetitions}")
                 launch = run_sync(launch_streams(srv.url, bodies(config, level)))
-                rows += [_compare(level, rep, i, r.token_ids, solo_ids[i], r.error) for i, r in enumerate(launch.results)]
+                rows += [
+                    _compare(level, rep, i, r.token_ids, solo_ids[i], r.error) for i, r in enumerate(launch.results)
+                ]
                 tick(progress, streams=rows)
         streams = pd.DataFrame(rows)
         streams = add_margins(streams, srv.engine.model, solo_ids)
@@ -76,8 +79,13 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
 def _compare(level: int, rep: int, index: int, ids: list[int], solo: list[int], error: str | None) -> dict[str, Any]:
     first = first_difference(ids, solo)
     return {
-        "level": level, "repetition": rep, "prompt": index, "tokens": len(ids), "solo_tokens": len(solo),
-        "identical": first is None and error is None, "first_diff": first,
+        "level": level,
+        "repetition": rep,
+        "prompt": index,
+        "tokens": len(ids),
+        "solo_tokens": len(solo),
+        "identical": first is None and error is None,
+        "first_diff": first,
         "solo_token": solo[first] if first is not None and first < len(solo) else None,
         "concurrent_token": ids[first] if first is not None and first < len(ids) else None,
         "client_error": error,
@@ -124,19 +132,24 @@ def reference_logits(loaded: Any, prompt: str, prefix: list[int]):
 def levels_table(streams: pd.DataFrame) -> pd.DataFrame:
     """Per level: streams compared, how many were identical, and the smallest margin where not."""
     grouped = streams.groupby("level")
-    table = pd.DataFrame({
-        "streams": grouped.size(),
-        "identical": grouped.identical.sum().astype(int),
-        "min_first_diff": grouped.first_diff.min(),
-        "min_abs_margin": grouped.margin.apply(lambda m: m.abs().min()),
-    }).reset_index()
+    table = pd.DataFrame(
+        {
+            "streams": grouped.size(),
+            "identical": grouped.identical.sum().astype(int),
+            "min_first_diff": grouped.first_diff.min(),
+            "min_abs_margin": grouped.margin.apply(lambda m: m.abs().min()),
+        }
+    ).reset_index()
     return table
 
 
 def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
     streams = tables["streams"]
-    return {"streams": len(streams), "identical": int(streams.identical.sum()),
-            "differing": int((~streams.identical).sum())}
+    return {
+        "streams": len(streams),
+        "identical": int(streams.identical.sum()),
+        "differing": int((~streams.identical).sum()),
+    }
 
 
 def report(tables: dict[str, pd.DataFrame]) -> str:

@@ -8,6 +8,7 @@ waiting or registered in the hub, each stream finished once and each admitted st
 once, no error in the hub. And what leaving cost: tokens generated per token read, and the total
 time. Both response classes, on servers that differ in that one setting.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +23,15 @@ from labkit.experiments.client import run_sync
 from labkit.experiments.common import Profile, Progress, doing, tick
 from labkit.experiments.disconnect import CLASSES, books, release_books
 from labkit.experiments.harness import (
-    beside, loaded_model, long_prompts, read_stream, server_checks, server_like, stream_body, wait_released)
+    beside,
+    loaded_model,
+    long_prompts,
+    read_stream,
+    server_checks,
+    server_like,
+    stream_body,
+    wait_released,
+)
 from labkit.experiments.records import LeaveBy, StreamResult
 
 NAME = "leak"
@@ -60,16 +69,26 @@ class Config:
             # 300 streams would take about 6 minutes here (each prefill alone costs ~150 ms on two
             # cores); 150 keeps the three failure experiments near 12 minutes together.
             return cls(model=profile.model, streams=150)
-        return cls(model=profile.model, streams=40, concurrency=12, max_batch=4, max_new_tokens=24,
-                   early_range=(0, 16), slow_sleep=0.05)
+        return cls(
+            model=profile.model,
+            streams=40,
+            concurrency=12,
+            max_batch=4,
+            max_new_tokens=24,
+            early_range=(0, 16),
+            slow_sleep=0.05,
+        )
 
     def __post_init__(self) -> None:
         if not (0 <= self.share_full and 0 <= self.share_early and self.share_full + self.share_early <= 1):
-            raise ValueError(f"leak.Config shares must be in [0, 1] and sum to <= 1, got "
-                             f"{self.share_full!r}, {self.share_early!r}")
+            raise ValueError(
+                f"leak.Config shares must be in [0, 1] and sum to <= 1, got {self.share_full!r}, {self.share_early!r}"
+            )
         if self.early_range[1] >= self.max_new_tokens or max(self.slow_leave_after) >= self.max_new_tokens:
-            raise ValueError(f"leak.Config: clients must leave before max_new_tokens={self.max_new_tokens}, "
-                             f"got early_range={self.early_range!r}, slow_leave_after={self.slow_leave_after!r}")
+            raise ValueError(
+                f"leak.Config: clients must leave before max_new_tokens={self.max_new_tokens}, "
+                f"got early_range={self.early_range!r}, slow_leave_after={self.slow_leave_after!r}"
+            )
         if set(self.response_classes) - set(CLASSES) or self.streams < 1 or self.concurrency < 1:
             raise ValueError(f"leak.Config: response classes from {CLASSES}, streams and concurrency >= 1")
 
@@ -79,8 +98,7 @@ def server_options(config: Config) -> dict[str, Any]:
 
 
 def _settings(config: Config, response_class: str) -> dict[str, Any]:
-    return {"max_batch": config.max_batch, "response_class": response_class, "policy": "unbounded",
-            "max_waiting": None}
+    return {"max_batch": config.max_batch, "response_class": response_class, "policy": "unbounded", "max_waiting": None}
 
 
 def units(config: Config) -> int:
@@ -96,8 +114,9 @@ def plan(config: Config) -> list[Client]:
     rng.shuffle(kinds)
     clients = []
     for i, kind in enumerate(kinds):
-        after = {"full": None, "early": rng.randint(*config.early_range),
-                 "slow": rng.choice(config.slow_leave_after)}[kind]
+        after = {"full": None, "early": rng.randint(*config.early_range), "slow": rng.choice(config.slow_leave_after)}[
+            kind
+        ]
         clients.append(Client(i, kind, after, rng.choice(("fin", "rst"))))
     return clients
 
@@ -116,8 +135,9 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
             records = run_sync(wait_released(srv.hub, [r.request_id for r in results], timeout=config.timeout))
             elapsed = time.perf_counter() - t0  # until the engine let go of the last stream, zombies included
             rows += [stream_row(kind, c, r, rec) for c, r, rec in zip(clients, results, records)]
-            outcomes.append({"response_class": kind, "total_s": elapsed, **server_checks(srv),
-                             **release_books(srv, before)})
+            outcomes.append(
+                {"response_class": kind, "total_s": elapsed, **server_checks(srv), **release_books(srv, before)}
+            )
             tick(progress, streams=rows, outcome=outcomes)
     streams = pd.DataFrame(rows)
     return {"streams": streams, "outcome": outcome_table(pd.DataFrame(outcomes), streams)}
@@ -130,18 +150,32 @@ async def run_clients(url: str, config: Config, clients: list[Client], prompts: 
     async def one(client: Client) -> StreamResult:
         body = stream_body(prompts[client.index % len(prompts)], config.max_new_tokens)
         async with gate:
-            return await read_stream(url, body, sleep=config.slow_sleep if client.kind == "slow" else 0.0,
-                                     leave_after_tokens=client.leave_after, leave_by=client.leave_by,
-                                     leave_after_s=config.timeout)
+            return await read_stream(
+                url,
+                body,
+                sleep=config.slow_sleep if client.kind == "slow" else 0.0,
+                leave_after_tokens=client.leave_after,
+                leave_by=client.leave_by,
+                leave_after_s=config.timeout,
+            )
 
     return list(await asyncio.gather(*(one(c) for c in clients)))
 
 
 def stream_row(kind: str, client: Client, r: StreamResult, rec: Any) -> dict[str, Any]:
-    return {"response_class": kind, "client": client.index, "kind": client.kind, "leave_after": client.leave_after,
-            "leave_by": client.leave_by if client.leave_after is not None else None, "tokens_read": len(r.tokens),
-            "tokens_generated": getattr(rec, "tokens_generated", 0), "engine_finish": getattr(rec, "finish_reason", None),
-            "left": r.left is not None, "cut": r.left is None and r.terminal is None, "error": r.error}
+    return {
+        "response_class": kind,
+        "client": client.index,
+        "kind": client.kind,
+        "leave_after": client.leave_after,
+        "leave_by": client.leave_by if client.leave_after is not None else None,
+        "tokens_read": len(r.tokens),
+        "tokens_generated": getattr(rec, "tokens_generated", 0),
+        "engine_finish": getattr(rec, "finish_reason", None),
+        "left": r.left is not None,
+        "cut": r.left is None and r.terminal is None,
+        "error": r.error,
+    }
 
 
 def outcome_table(outcomes: pd.DataFrame, streams: pd.DataFrame) -> pd.DataFrame:
@@ -150,45 +184,75 @@ def outcome_table(outcomes: pd.DataFrame, streams: pd.DataFrame) -> pd.DataFrame
     for _, row in outcomes.iterrows():
         mine = streams[streams.response_class == row.response_class]
         gone = mine[mine.left]
-        rows.append({**row.to_dict(), "streams": len(mine), "left_early": len(gone), "cut": int(mine.cut.sum()),
-                     "client_errors": int(mine.error.notna().sum()),
-                     "generated_per_read": mine.tokens_generated.sum() / max(1, mine.tokens_read.sum()),
-                     "generated_per_read_leavers": gone.tokens_generated.sum() / max(1, gone.tokens_read.sum())})
+        rows.append(
+            {
+                **row.to_dict(),
+                "streams": len(mine),
+                "left_early": len(gone),
+                "cut": int(mine.cut.sum()),
+                "client_errors": int(mine.error.notna().sum()),
+                "generated_per_read": mine.tokens_generated.sum() / max(1, mine.tokens_read.sum()),
+                "generated_per_read_leavers": gone.tokens_generated.sum() / max(1, gone.tokens_read.sum()),
+            }
+        )
     return pd.DataFrame(rows)
 
 
 def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
     out = tables["outcome"].set_index("response_class")
-    return {kind: {"total_s": float(row.total_s), "generated_per_read_leavers": float(row.generated_per_read_leavers),
-                   "cache_whole": bool(row.cache_whole), "late_events": int(row.late_events)}
-            for kind, row in out.iterrows()}
+    return {
+        kind: {
+            "total_s": float(row.total_s),
+            "generated_per_read_leavers": float(row.generated_per_read_leavers),
+            "cache_whole": bool(row.cache_whole),
+            "late_events": int(row.late_events),
+        }
+        for kind, row in out.iterrows()
+    }
 
 
 def beside_chapter(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     out = tables["outcome"].set_index("response_class")
     listen, write = out.loc["starlette"], out.loc["write_only"]
     clean = bool(out.cache_whole.all() and (out.releases == out.admitted).all() and (out.open_streams == 0).all())
-    return beside([
-        ("streams per response class", "300", f"{int(listen.streams)}", "streams"),
-        ("left before the end", "165", f"{int(listen.left_early)}", "streams"),
-        ("blocks leaked, either class", "none", "none" if clean else "SOME", ""),
-        ("tokens generated per token read, leavers: Starlette / write-only", "1.4 / 5.2",
-         f"{listen.generated_per_read_leavers:.1f} / {write.generated_per_read_leavers:.1f}", "tokens"),
-        ("write-only total time against Starlette's", "+47%", f"{100 * (write.total_s / listen.total_s - 1):+.0f}%", ""),
-        ("late events dropped, Starlette's run", "294", f"{int(listen.late_events)}", "events"),
-    ])
+    return beside(
+        [
+            ("streams per response class", "300", f"{int(listen.streams)}", "streams"),
+            ("left before the end", "165", f"{int(listen.left_early)}", "streams"),
+            ("blocks leaked, either class", "none", "none" if clean else "SOME", ""),
+            (
+                "tokens generated per token read, leavers: Starlette / write-only",
+                "1.4 / 5.2",
+                f"{listen.generated_per_read_leavers:.1f} / {write.generated_per_read_leavers:.1f}",
+                "tokens",
+            ),
+            (
+                "write-only total time against Starlette's",
+                "+47%",
+                f"{100 * (write.total_s / listen.total_s - 1):+.0f}%",
+                "",
+            ),
+            ("late events dropped, Starlette's run", "294", f"{int(listen.late_events)}", "events"),
+        ]
+    )
 
 
 def findings(tables: dict[str, pd.DataFrame]) -> str:
     """A few plain sentences from this run's numbers."""
     out = tables["outcome"].set_index("response_class")
-    said = [f"{kind.replace('_', '-')}: {int(row.left_early)} of {int(row.streams)} clients left early; the engine "
-            f"generated {row.generated_per_read_leavers:.1f} tokens for every token they read, and the whole plan "
-            f"took {row.total_s:.1f} s." for kind, row in out.iterrows()]
+    said = [
+        f"{kind.replace('_', '-')}: {int(row.left_early)} of {int(row.streams)} clients left early; the engine "
+        f"generated {row.generated_per_read_leavers:.1f} tokens for every token they read, and the whole plan "
+        f"took {row.total_s:.1f} s."
+        for kind, row in out.iterrows()
+    ]
     if {"starlette", "write_only"} <= set(out.index):
         extra = out.loc["write_only", "total_s"] / out.loc["starlette", "total_s"] - 1
-        left = ("neither class left a block, a stream or a reservation behind" if out.cache_whole.all()
-                else "something was left behind: see the checked cell above")
+        left = (
+            "neither class left a block, a stream or a reservation behind"
+            if out.cache_whole.all()
+            else "something was left behind: see the checked cell above"
+        )
         said.append(f"Not listening cost {100 * extra:+.0f}% in time; {left}.")
     return " ".join(said)
 
@@ -197,11 +261,17 @@ def report(tables: dict[str, pd.DataFrame]) -> str:
     """Stable lines for a checked cell: the leak invariants per response class."""
     lines = []
     for _, row in tables["outcome"].iterrows():
-        ok = {"cache whole": bool(row.cache_whole), "nothing reserved": row.held_blocks == 0,
-              "nothing running or waiting": row.running == 0 and row.waiting == 0,
-              "no stream registered": row.open_streams == 0, "each stream finished once": row.finished == row.streams,
-              "one release per admitted stream": row.releases == row.admitted, "no hub error": row.hub_errors == 0,
-              "no stream cut short": row.cut == 0, "no client error": row.client_errors == 0}
+        ok = {
+            "cache whole": bool(row.cache_whole),
+            "nothing reserved": row.held_blocks == 0,
+            "nothing running or waiting": row.running == 0 and row.waiting == 0,
+            "no stream registered": row.open_streams == 0,
+            "each stream finished once": row.finished == row.streams,
+            "one release per admitted stream": row.releases == row.admitted,
+            "no hub error": row.hub_errors == 0,
+            "no stream cut short": row.cut == 0,
+            "no client error": row.client_errors == 0,
+        }
         failed = [name for name, good in ok.items() if not good]
         lines.append(f"{row.response_class}: " + ("; ".join(ok) if not failed else "FAILED: " + "; ".join(failed)))
     return "\n".join(lines)
@@ -214,8 +284,11 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
     fig, (left, right) = new_figure("leak_work", ncols=2)
     for kind, group in streams[streams.left].groupby("response_class", sort=False):
         left.scatter(group.tokens_read, group.tokens_generated, s=10, alpha=0.6, label=kind.replace("_", "-"))
-    left.set(xlabel="tokens the client read before leaving", ylabel="tokens the engine generated",
-             title="Clients that left early")
+    left.set(
+        xlabel="tokens the client read before leaving",
+        ylabel="tokens the engine generated",
+        title="Clients that left early",
+    )
     left.legend()
     right.bar(outcome.response_class.str.replace("_", "-"), outcome.total_s)
     right.set(ylabel="s for every stream of the plan", title="Total time")

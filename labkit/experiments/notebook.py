@@ -6,6 +6,7 @@ Each notebook opens with a ``parameters`` cell (papermill's convention) that nam
 :func:`setup_notebook`, whose first output is a small table saying which profile, model and scale
 this run uses and how long it should take.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,10 @@ from labkit.experiments.durations import expected_duration
 __all__ = ["setup_notebook", "profile_table", "settings_table", "SWITCH"]
 
 SCALE = {"full": "the chapter's sizes and repetitions", "ci": "toy sizes, few repetitions: a test run, not a result"}
-SWITCH = ("To switch: start Jupyter with LABKIT_PROFILE=ci (or full) in its environment, "
-          "or run `papermill -p profile_name ci`, or edit profile_name in the parameters cell.")
+SWITCH = (
+    "To switch: start Jupyter with LABKIT_PROFILE=ci (or full) in its environment, "
+    "or run `papermill -p profile_name ci`, or edit profile_name in the parameters cell."
+)
 
 
 def setup_notebook(profile: str | None = None, model: str | None = None, notebook: str | None = None) -> Profile:
@@ -53,8 +56,12 @@ def setup_notebook(profile: str | None = None, model: str | None = None, noteboo
 
 def profile_table(profile: Profile, notebook: str | None = None) -> pd.DataFrame:
     """profile, model, scale, where results go and, for a named notebook, its expected duration."""
-    rows = {"profile": profile.name, "model": profile.model, "scale": SCALE[profile.name],
-            "results written to": _shown(profile.data_dir)}
+    rows = {
+        "profile": profile.name,
+        "model": profile.model,
+        "scale": SCALE[profile.name],
+        "results written to": _shown(profile.data_dir),
+    }
     if notebook:
         rows["expected duration"] = expected_duration(notebook, profile)
     return pd.DataFrame({"value": rows}).rename_axis("setting")

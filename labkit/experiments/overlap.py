@@ -13,6 +13,7 @@ Four measurements, all from a client's side of HTTP except the second:
 * first-token delivery: N streams at once with each first token delivered as its own prefill
   ends, against delivery at the end of the step (the hub's ``first_token`` setting).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +26,15 @@ import numpy as np
 import pandas as pd
 
 from labkit.experiments.client import (
-    Launch, StreamResult, async_client, launch_in_turn, launch_streams, percentiles, run_sync, timed_stream)
+    Launch,
+    StreamResult,
+    async_client,
+    launch_in_turn,
+    launch_streams,
+    percentiles,
+    run_sync,
+    timed_stream,
+)
 from labkit.experiments.common import Profile, Progress, doing, serving, tick
 from labkit.prompts import PROMPTS
 
@@ -52,9 +61,19 @@ class Config:
     def for_profile(cls, profile: Profile) -> Config:
         if profile.full:
             return cls(model=profile.model)
-        return cls(model=profile.model, levels=(1, 2, 4, 8), repetitions=2, max_new_tokens=24,
-                   backgrounds=(0, 4, 8), joiners=6, joiner_tokens=4, long_tokens=160,
-                   joiner_window=(0.05, 0.3), delivery_streams=8, step_steps=8)
+        return cls(
+            model=profile.model,
+            levels=(1, 2, 4, 8),
+            repetitions=2,
+            max_new_tokens=24,
+            backgrounds=(0, 4, 8),
+            joiners=6,
+            joiner_tokens=4,
+            long_tokens=160,
+            joiner_window=(0.05, 0.3),
+            delivery_streams=8,
+            step_steps=8,
+        )
 
     def __post_init__(self) -> None:
         if not self.levels or min(self.levels) < 1 or max(self.levels) > len(PROMPTS):
@@ -84,8 +103,14 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
         tick(progress)
         joiners = measure_joiners(srv.url, config, progress)
         delivery = measure_delivery(srv, config, progress)
-    return {"solo": solo, "levels": levels, "step_cost": step_cost, "step_fit": fit_step_cost(step_cost),
-            "joiners": joiners, "delivery": delivery}
+    return {
+        "solo": solo,
+        "levels": levels,
+        "step_cost": step_cost,
+        "step_fit": fit_step_cost(step_cost),
+        "joiners": joiners,
+        "delivery": delivery,
+    }
 
 
 # --------------------------------------------------------------------------- levels
@@ -101,8 +126,14 @@ def measure_levels(url: str, config: Config, progress: Progress | None) -> tuple
         back_to_back = sum(r.duration or 0.0 for r in solo.results[:level])
         for rep in range(config.repetitions):
             doing(progress, f"{level} streams at once, repetition {rep + 1}/{config.repetitions}")
-            rows.append({"level": level, "repetition": rep, **launch_row(run_sync(launch_streams(url, bodies[:level]))),
-                         "back_to_back_s": back_to_back})
+            rows.append(
+                {
+                    "level": level,
+                    "repetition": rep,
+                    **launch_row(run_sync(launch_streams(url, bodies[:level]))),
+                    "back_to_back_s": back_to_back,
+                }
+            )
             tick(progress, levels=rows)
     levels = pd.DataFrame(rows)
     levels["speedup"] = levels.back_to_back_s / levels.makespan_s
@@ -113,14 +144,31 @@ def launch_row(launch: Launch) -> dict[str, Any]:
     """One launch as a table row: makespan, throughput, TTFT and gap percentiles, errors."""
     ttft = percentiles((r.ttft for r in launch.results), (50, 99))
     gaps = percentiles((g for r in launch.results for g in r.gaps), (50, 99))
-    return {"makespan_s": launch.makespan, "tokens": launch.tokens, "tokens_per_s": launch.tokens_per_s,
-            "ttft_p50_s": ttft["p50"], "ttft_p99_s": ttft["p99"], "gap_p50_s": gaps["p50"],
-            "gap_p99_s": gaps["p99"], "errors": sum(1 for r in launch.results if r.error)}
+    return {
+        "makespan_s": launch.makespan,
+        "tokens": launch.tokens,
+        "tokens_per_s": launch.tokens_per_s,
+        "ttft_p50_s": ttft["p50"],
+        "ttft_p99_s": ttft["p99"],
+        "gap_p50_s": gaps["p50"],
+        "gap_p99_s": gaps["p99"],
+        "errors": sum(1 for r in launch.results if r.error),
+    }
 
 
 def _solo_table(solo: Launch) -> pd.DataFrame:
-    return pd.DataFrame([{"prompt": i, "tokens": len(r.tokens), "ttft_s": r.ttft, "duration_s": r.duration,
-                          "gap_p50_s": percentiles(r.gaps, (50,))["p50"]} for i, r in enumerate(solo.results)])
+    return pd.DataFrame(
+        [
+            {
+                "prompt": i,
+                "tokens": len(r.tokens),
+                "ttft_s": r.ttft,
+                "duration_s": r.duration,
+                "gap_p50_s": percentiles(r.gaps, (50,))["p50"],
+            }
+            for i, r in enumerate(solo.results)
+        ]
+    )
 
 
 # --------------------------------------------------------------------------- step cost
@@ -130,8 +178,9 @@ def measure_step_cost(loaded: Any, config: Config) -> pd.DataFrame:
     """The decode-step table of :func:`labkit.bench.bench_step` for the served model."""
     from labkit.bench import StepBench, bench_step
 
-    bench = StepBench(model=config.model, batches=tuple(config.levels), context=config.step_context,
-                      steps=config.step_steps)
+    bench = StepBench(
+        model=config.model, batches=tuple(config.levels), context=config.step_context, steps=config.step_steps
+    )
     return bench_step(bench, loaded=loaded)
 
 
@@ -139,10 +188,20 @@ def fit_step_cost(step_cost: pd.DataFrame) -> pd.DataFrame:
     """A least-squares line through the engine's step time: fixed cost plus cost per sequence."""
     slope, intercept = np.polyfit(step_cost.batch, step_cost.engine_step_ms, 1)
     largest = step_cost.batch.max()
-    ratio = float(step_cost.loc[step_cost.batch == largest, "engine_step_ms"].iloc[0]
-                  / step_cost.loc[step_cost.batch == step_cost.batch.min(), "engine_step_ms"].iloc[0])
-    return pd.DataFrame([{"intercept_ms": intercept, "ms_per_sequence": slope,
-                          "largest_batch": int(largest), "largest_over_smallest": ratio}])
+    ratio = float(
+        step_cost.loc[step_cost.batch == largest, "engine_step_ms"].iloc[0]
+        / step_cost.loc[step_cost.batch == step_cost.batch.min(), "engine_step_ms"].iloc[0]
+    )
+    return pd.DataFrame(
+        [
+            {
+                "intercept_ms": intercept,
+                "ms_per_sequence": slope,
+                "largest_batch": int(largest),
+                "largest_over_smallest": ratio,
+            }
+        ]
+    )
 
 
 # --------------------------------------------------------------------------- late joiners
@@ -162,8 +221,10 @@ def measure_joiners(url: str, config: Config, progress: Progress | None) -> pd.D
 async def _joiner_round(url: str, config: Config, background: int, offsets: list[float]) -> list[dict[str, Any]]:
     async with async_client(url, connections=background + len(offsets)) as client:
         long = [StreamResult(sent=0.0) for _ in range(background)]
-        tasks = [asyncio.ensure_future(timed_stream(client, _body(PROMPTS[i], config.long_tokens), result=r))
-                 for i, r in enumerate(long)]
+        tasks = [
+            asyncio.ensure_future(timed_stream(client, _body(PROMPTS[i], config.long_tokens), result=r))
+            for i, r in enumerate(long)
+        ]
         try:
             await _wait_until(lambda: all(r.tokens or r.ended for r in long), timeout=300.0)
             t0 = time.perf_counter()
@@ -178,16 +239,22 @@ async def _joiner_round(url: str, config: Config, background: int, offsets: list
     return [_joiner_row(background, j, offsets[j], r, long, joined) for j, r in enumerate(joined)]
 
 
-def _joiner_row(background: int, j: int, offset: float, r: StreamResult, long: list[StreamResult],
-                joined: list[StreamResult]) -> dict:
+def _joiner_row(
+    background: int, j: int, offset: float, r: StreamResult, long: list[StreamResult], joined: list[StreamResult]
+) -> dict:
     """One joiner, with how many long streams and other joiners were still running when it was sent:
     where steps are slow, joiners live long enough to overlap each other even on an idle engine."""
     first = r.tokens[0].time if r.tokens else r.sent
-    return {"background": background, "joiner": j, "offset_s": offset, "ttft_s": r.ttft,
-            "background_running_at_send": sum(1 for b in long if (b.ended or 0) > r.sent),
-            "background_running_at_first_token": sum(1 for b in long if (b.ended or 0) > first),
-            "joiners_running_at_send": sum(1 for o in joined if o is not r and o.sent < r.sent < (o.ended or 0)),
-            "error": r.error}
+    return {
+        "background": background,
+        "joiner": j,
+        "offset_s": offset,
+        "ttft_s": r.ttft,
+        "background_running_at_send": sum(1 for b in long if (b.ended or 0) > r.sent),
+        "background_running_at_first_token": sum(1 for b in long if (b.ended or 0) > first),
+        "joiners_running_at_send": sum(1 for o in joined if o is not r and o.sent < r.sent < (o.ended or 0)),
+        "error": r.error,
+    }
 
 
 async def _wait_until(condition: Any, timeout: float, poll: float = 0.005) -> None:
@@ -212,8 +279,10 @@ def measure_delivery(srv: Any, config: Config, progress: Progress | None) -> pd.
             for rep in range(config.repetitions):
                 doing(progress, f"first token at {mode}, repetition {rep + 1}/{config.repetitions}")
                 launch = run_sync(launch_streams(server.url, bodies))
-                rows += [{"mode": mode, "repetition": rep, "stream": i, "ttft_s": r.ttft, "error": r.error}
-                         for i, r in enumerate(launch.results)]
+                rows += [
+                    {"mode": mode, "repetition": rep, "stream": i, "ttft_s": r.ttft, "error": r.error}
+                    for i, r in enumerate(launch.results)
+                ]
                 tick(progress, delivery=rows)
     return pd.DataFrame(rows)
 
@@ -223,14 +292,25 @@ def measure_delivery(srv: Any, config: Config, progress: Progress | None) -> pd.
 
 def joiners_table(joiners: pd.DataFrame) -> pd.DataFrame:
     """Per background load: the joiners' time to first token, median and p99."""
-    return joiners.groupby("background").ttft_s.agg(
-        joiners="count", ttft_p50_s="median", ttft_p99_s=lambda s: s.quantile(0.99)).reset_index()
+    return (
+        joiners.groupby("background")
+        .ttft_s.agg(joiners="count", ttft_p50_s="median", ttft_p99_s=lambda s: s.quantile(0.99))
+        .reset_index()
+    )
 
 
 def delivery_table(delivery: pd.DataFrame) -> pd.DataFrame:
-    return delivery.groupby("mode").ttft_s.agg(
-        streams="count", ttft_min_s="min", ttft_p50_s="median", ttft_p99_s=lambda s: s.quantile(0.99),
-        ttft_max_s="max").reset_index()
+    return (
+        delivery.groupby("mode")
+        .ttft_s.agg(
+            streams="count",
+            ttft_min_s="min",
+            ttft_p50_s="median",
+            ttft_p99_s=lambda s: s.quantile(0.99),
+            ttft_max_s="max",
+        )
+        .reset_index()
+    )
 
 
 def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
@@ -243,7 +323,8 @@ def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
         "back_to_back_s": float(top.back_to_back_s.iloc[0]),
         "tokens_per_s_largest": [float(top.tokens_per_s.min()), float(top.tokens_per_s.max())],
         "tokens_per_s_one": [float(one.tokens_per_s.min()), float(one.tokens_per_s.max())],
-        "step_intercept_ms": float(fit.intercept_ms), "step_ms_per_sequence": float(fit.ms_per_sequence),
+        "step_intercept_ms": float(fit.intercept_ms),
+        "step_ms_per_sequence": float(fit.ms_per_sequence),
         "joiners_ttft_p50_s": joiners_table(tables["joiners"]).set_index("background").ttft_p50_s.to_dict(),
         "delivery_ttft_p50_s": delivery_table(tables["delivery"]).set_index("mode").ttft_p50_s.to_dict(),
     }
@@ -256,18 +337,25 @@ def report(tables: dict[str, pd.DataFrame]) -> str:
     failed = int(levels.errors.sum())
     varying = [int(level) for level, g in levels.groupby("level") if g.tokens.nunique() > 1]
     missing = int(tables["joiners"].ttft_s.isna().sum() + tables["delivery"].ttft_s.isna().sum())
-    return "\n".join([
-        "streams at every level ended without error: " + ("yes" if failed == 0 else f"NOT: {failed} errors"),
-        "each level produced the same tokens in every repetition: "
-        + ("yes" if not varying else f"NOT at levels {varying}"),
-        "every late joiner and every delivery stream got a first token: "
-        + ("yes" if missing == 0 else f"NOT: {missing} did not")])
+    return "\n".join(
+        [
+            "streams at every level ended without error: " + ("yes" if failed == 0 else f"NOT: {failed} errors"),
+            "each level produced the same tokens in every repetition: "
+            + ("yes" if not varying else f"NOT at levels {varying}"),
+            "every late joiner and every delivery stream got a first token: "
+            + ("yes" if missing == 0 else f"NOT: {missing} did not"),
+        ]
+    )
 
 
 def plot(tables: dict[str, pd.DataFrame]) -> list:
-    return [_plot_throughput(tables["levels"]), _plot_latency(tables["levels"]),
-            _plot_step_cost(tables["step_cost"], tables["step_fit"]),
-            _plot_joiners(tables["joiners"]), _plot_delivery(tables["delivery"])]
+    return [
+        _plot_throughput(tables["levels"]),
+        _plot_latency(tables["levels"]),
+        _plot_step_cost(tables["step_cost"], tables["step_fit"]),
+        _plot_joiners(tables["joiners"]),
+        _plot_delivery(tables["delivery"]),
+    ]
 
 
 def _plot_throughput(levels: pd.DataFrame):
@@ -316,8 +404,12 @@ def _plot_step_cost(step_cost: pd.DataFrame, fit: pd.DataFrame):
     xs = np.linspace(0, step_cost.batch.max(), 50)
     ax.plot(step_cost.batch, step_cost.engine_step_ms, "o", label="engine decode step (median)")
     ax.plot(step_cost.batch, step_cost.bare_forward_ms, "x", color="gray", label="bare transformers forward")
-    ax.plot(xs, line.intercept_ms + line.ms_per_sequence * xs, "--",
-            label=f"fit: {line.intercept_ms:.2f} ms + {line.ms_per_sequence:.3f} ms per sequence")
+    ax.plot(
+        xs,
+        line.intercept_ms + line.ms_per_sequence * xs,
+        "--",
+        label=f"fit: {line.intercept_ms:.2f} ms + {line.ms_per_sequence:.3f} ms per sequence",
+    )
     ax.set(xlabel="sequences in the batch", ylabel="ms per step", title="Decode-step cost against batch size")
     ax.legend()
     return fig
@@ -328,10 +420,15 @@ def _plot_joiners(joiners: pd.DataFrame):
 
     fig, (ax,) = new_figure("overlap_joiners")
     groups = sorted(joiners.background.unique())
-    ax.boxplot([1000 * joiners.loc[joiners.background == g, "ttft_s"].dropna() for g in groups],
-               tick_labels=[f"{g} running" if g else "idle" for g in groups])
-    ax.set(xlabel="long streams running when the short requests arrive", ylabel="ms to first token",
-           title="Late joiners: time to first token")
+    ax.boxplot(
+        [1000 * joiners.loc[joiners.background == g, "ttft_s"].dropna() for g in groups],
+        tick_labels=[f"{g} running" if g else "idle" for g in groups],
+    )
+    ax.set(
+        xlabel="long streams running when the short requests arrive",
+        ylabel="ms to first token",
+        title="Late joiners: time to first token",
+    )
     return fig
 
 

@@ -24,13 +24,15 @@ the upstream and cuts the stream, which the client sees as a stream without its 
 Times are ``time.perf_counter()`` seconds: the server runs in this process, so its clock and
 the client's are one.
 """
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import httpx
 import numpy as np
@@ -102,8 +104,10 @@ class Config:
         if self.quiet_factor <= 1:
             raise ValueError(f"production.Config.quiet_factor must be > 1, got {self.quiet_factor!r}")
         if not 0 < self.ping_interval < self.read_timeout:
-            raise ValueError("production.Config.ping_interval must be > 0 and below read_timeout, "
-                             f"got {self.ping_interval!r} and {self.read_timeout!r}")
+            raise ValueError(
+                "production.Config.ping_interval must be > 0 and below read_timeout, "
+                f"got {self.ping_interval!r} and {self.read_timeout!r}"
+            )
 
 
 def server_options(config: Config) -> dict[str, Any]:
@@ -119,8 +123,12 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
         events = burst_probe(srv, config, progress)
         keepalive = keepalive_probe(loaded_model(srv, config.model), config, progress)
     holdback = holdback_summary(events, config.hold_floor_s)
-    return {"events": events, "holdback": holdback, "keepalive": keepalive,
-            "keepalive_summary": keepalive_summary(keepalive)}
+    return {
+        "events": events,
+        "holdback": holdback,
+        "keepalive": keepalive,
+        "keepalive_summary": keepalive_summary(keepalive),
+    }
 
 
 # --------------------------------------------------------------------------- the server's clock
@@ -212,8 +220,11 @@ async def probe(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeo
 
 
 def proxy_routes(upstream: str, conditions: Sequence[str]) -> list[Route]:
-    return [Route(name, upstream, buffering=b, honour_accel=h, gzip=g, http_version=v)
-            for name, (b, h, g, v) in PROXY_CONDITIONS.items() if name in conditions]
+    return [
+        Route(name, upstream, buffering=b, honour_accel=h, gzip=g, http_version=v)
+        for name, (b, h, g, v) in PROXY_CONDITIONS.items()
+        if name in conditions
+    ]
 
 
 def burst_probe(server: Any, config: Config, progress: Progress | None = None) -> pd.DataFrame:
@@ -222,15 +233,19 @@ def burst_probe(server: Any, config: Config, progress: Progress | None = None) -
     rows: list[dict[str, Any]] = []
     with running_nginx(proxy_routes(server.url, config.conditions)) as nginx, write_clock(server) as clock:
         for rep in range(config.repetitions):
-            order = config.conditions[rep % len(config.conditions):] + config.conditions[:rep % len(config.conditions)]
+            order = (
+                config.conditions[rep % len(config.conditions) :] + config.conditions[: rep % len(config.conditions)]
+            )
             for condition in order:  # interleaved, and each repetition starts elsewhere
                 doing(progress, f"{condition}, repetition {rep + 1}/{config.repetitions}")
                 base = server.url if condition == DIRECT else nginx.base(condition)
                 seen = run_sync(_one_probe(f"{base}/v1/stream", body, config.timeout))
                 rows += event_rows(condition, rep, seen, clock.times)
                 tick(progress, events=rows)
-    return pd.DataFrame(rows, columns=["condition", "repetition", "index", "written_at", "arrived_at", "delay",
-                                       "read", "content_encoding"])
+    return pd.DataFrame(
+        rows,
+        columns=["condition", "repetition", "index", "written_at", "arrived_at", "delay", "read", "content_encoding"],
+    )
 
 
 async def _one_probe(url: str, body: dict[str, Any], timeout: float) -> Probe:
@@ -244,14 +259,25 @@ def event_rows(condition: str, rep: int, seen: Probe, written: list[float]) -> l
         raise RuntimeError(f"{condition}: the probe stream did not finish ({result.error or 'no done event'})")
     tokens = result.tokens
     if len(written) != len(tokens):
-        raise RuntimeError(f"{condition}: the server wrote {len(written)} tokens, the client read {len(tokens)}; "
-                           "was another stream running on this server?")
+        raise RuntimeError(
+            f"{condition}: the server wrote {len(written)} tokens, the client read {len(tokens)}; "
+            "was another stream running on this server?"
+        )
     read_of = {t: i for i, (t, _) in enumerate(seen.reads)}
     encoding = result.headers.get("content-encoding", "identity")
-    return [{"condition": condition, "repetition": rep, "index": e.data["index"],
-             "written_at": written[e.data["index"]] - result.sent, "arrived_at": e.time - result.sent,
-             "delay": e.time - written[e.data["index"]], "read": read_of[e.time], "content_encoding": encoding}
-            for e in tokens]
+    return [
+        {
+            "condition": condition,
+            "repetition": rep,
+            "index": e.data["index"],
+            "written_at": written[e.data["index"]] - result.sent,
+            "arrived_at": e.time - result.sent,
+            "delay": e.time - written[e.data["index"]],
+            "read": read_of[e.time],
+            "content_encoding": encoding,
+        }
+        for e in tokens
+    ]
 
 
 def holdback_summary(events: pd.DataFrame, floor_s: float = Config.hold_floor_s) -> pd.DataFrame:
@@ -261,18 +287,26 @@ def holdback_summary(events: pd.DataFrame, floor_s: float = Config.hold_floor_s)
         per_read = group.groupby(["repetition", "read"]).size()
         in_bursts = int(per_read[per_read >= 2].sum())
         buffering, honoured, gzip, http = PROXY_CONDITIONS.get(str(condition), (None, None, None, None))
-        rows.append({
-            "condition": condition, "proxy": condition != DIRECT, "proxy_buffering": buffering,
-            "accel_header": None if honoured is None else ("honoured" if honoured else "ignored"), "gzip": gzip,
-            "upstream_http": http,
-            "content_encoding": group.content_encoding.iloc[0],
-            "repetitions": group.repetition.nunique(), "events": len(group),
-            "median_delay_ms": 1000 * group.delay.median(), "p90_delay_ms": 1000 * group.delay.quantile(0.9),
-            "max_delay_ms": 1000 * group.delay.max(),
-            "reads_per_stream": per_read.groupby(level=0).size().median(),
-            "largest_burst": int(per_read.max()), "events_in_bursts": in_bursts,
-            "share_in_bursts": in_bursts / len(group),
-        })
+        rows.append(
+            {
+                "condition": condition,
+                "proxy": condition != DIRECT,
+                "proxy_buffering": buffering,
+                "accel_header": None if honoured is None else ("honoured" if honoured else "ignored"),
+                "gzip": gzip,
+                "upstream_http": http,
+                "content_encoding": group.content_encoding.iloc[0],
+                "repetitions": group.repetition.nunique(),
+                "events": len(group),
+                "median_delay_ms": 1000 * group.delay.median(),
+                "p90_delay_ms": 1000 * group.delay.quantile(0.9),
+                "max_delay_ms": 1000 * group.delay.max(),
+                "reads_per_stream": per_read.groupby(level=0).size().median(),
+                "largest_burst": int(per_read.max()),
+                "events_in_bursts": in_bursts,
+                "share_in_bursts": in_bursts / len(group),
+            }
+        )
     table = pd.DataFrame(rows)
     return table.assign(holds_back=verdicts(table, floor_s))
 
@@ -294,18 +328,21 @@ def keepalive_probe(model: Any, config: Config, progress: Progress | None = None
     rows: list[dict[str, Any]] = []
     intervals = {"on": config.ping_interval, "off": NO_PINGS_INTERVAL}
     with contextlib.ExitStack() as stack:
-        servers = {p: stack.enter_context(server_like(None, model, max_batch=1, keepalive_interval=intervals[p]))
-                   for p in PINGS}
-        routes = [Route(f"pings-{p}", servers[p].url, buffering=False, read_timeout=config.read_timeout)
-                  for p in PINGS]
+        servers = {
+            p: stack.enter_context(server_like(None, model, max_batch=1, keepalive_interval=intervals[p]))
+            for p in PINGS
+        }
+        routes = [Route(f"pings-{p}", servers[p].url, buffering=False, read_timeout=config.read_timeout) for p in PINGS]
         nginx = stack.enter_context(running_nginx(routes))
         blockers, blocker_s = quiet_queue(servers["on"], config)
         for rep in range(config.keepalive_repetitions):
             for pings in PINGS if rep % 2 == 0 else PINGS[::-1]:
                 doing(progress, f"pings {pings}, repetition {rep + 1}/{config.keepalive_repetitions}")
                 seen = run_sync(_quiet_probe(servers[pings], nginx.base(f"pings-{pings}"), blockers, config))
-                rows.append(keepalive_row(pings, intervals[pings], rep, config, seen)
-                            | {"queued_ahead": blockers, "expected_wait_s": blockers * blocker_s})
+                rows.append(
+                    keepalive_row(pings, intervals[pings], rep, config, seen)
+                    | {"queued_ahead": blockers, "expected_wait_s": blockers * blocker_s}
+                )
                 _wait_idle(servers[pings], config.timeout)
                 tick(progress, keepalive=rows)
     return pd.DataFrame(rows)
@@ -315,10 +352,12 @@ def quiet_queue(server: Any, config: Config) -> tuple[int, float]:
     """How many blocker requests make a queue that lasts ``quiet_factor`` read timeouts, and
     how long one took here: the faster of two timed alone, straight to the server (the first
     may pay for warming up)."""
+
     async def two() -> list[StreamResult]:
         async with async_client(server.url, connections=1, timeout=config.timeout) as client:
-            return [await timed_stream(client, stream_body(1, config.blocker_tokens, ignore_eos=True))
-                    for _ in range(2)]
+            return [
+                await timed_stream(client, stream_body(1, config.blocker_tokens, ignore_eos=True)) for _ in range(2)
+            ]
 
     results = run_sync(two())
     if any(r.terminal is None or r.duration is None for r in results):
@@ -326,8 +365,10 @@ def quiet_queue(server: Any, config: Config) -> tuple[int, float]:
     seconds = min(r.duration for r in results if r.duration is not None)
     blockers = max(1, int(np.ceil(config.quiet_factor * config.read_timeout / seconds)))
     if blockers > 256:
-        raise RuntimeError(f"one {config.blocker_tokens}-token request took {seconds:.4f} s: "
-                           "raise blocker_tokens so that a queue of them outlasts the read timeout")
+        raise RuntimeError(
+            f"one {config.blocker_tokens}-token request took {seconds:.4f} s: "
+            "raise blocker_tokens so that a queue of them outlasts the read timeout"
+        )
     return blockers, seconds
 
 
@@ -353,10 +394,15 @@ def keepalive_row(pings: str, interval: float, rep: int, config: Config, seen: P
     times = [result.headers_at or result.sent] + [t for t, _ in seen.reads] + [result.ended or time.perf_counter()]
     first = result.tokens[0].time if result.tokens else None
     return {
-        "pings": pings, "ping_interval_s": interval, "read_timeout_s": config.read_timeout, "repetition": rep,
-        "status": result.status, "survived": result.terminal is not None and result.terminal.event == "done",
+        "pings": pings,
+        "ping_interval_s": interval,
+        "read_timeout_s": config.read_timeout,
+        "repetition": rep,
+        "status": result.status,
+        "survived": result.terminal is not None and result.terminal.event == "done",
         "ended_by": result.terminal.event if result.terminal else "cut",
-        "tokens": len(result.tokens), "pings_received": seen.pings,
+        "tokens": len(result.tokens),
+        "pings_received": seen.pings,
         "wait_for_first_token_s": None if first is None else first - result.sent,
         "longest_silence_s": float(np.max(np.diff(times))) if len(times) > 1 else None,
         "ended_s": result.ended - result.sent if result.ended else None,
@@ -378,13 +424,19 @@ def keepalive_summary(keepalive: pd.DataFrame) -> pd.DataFrame:
     """Per pings setting: how many quiet streams survived, how long they waited, when the cut ones ended."""
     rows = []
     for pings, group in keepalive.groupby("pings", sort=False):
-        rows.append({"pings": pings, "ping_interval_s": group.ping_interval_s.iloc[0],
-                     "read_timeout_s": group.read_timeout_s.iloc[0], "runs": len(group),
-                     "survived": int(group.survived.sum()),
-                     "median_wait_for_first_token_s": group.wait_for_first_token_s.median(),
-                     "median_longest_silence_s": group.longest_silence_s.median(),
-                     "median_ended_s": group.ended_s.median(),
-                     "median_pings_received": group.pings_received.median()})
+        rows.append(
+            {
+                "pings": pings,
+                "ping_interval_s": group.ping_interval_s.iloc[0],
+                "read_timeout_s": group.read_timeout_s.iloc[0],
+                "runs": len(group),
+                "survived": int(group.survived.sum()),
+                "median_wait_for_first_token_s": group.wait_for_first_token_s.median(),
+                "median_longest_silence_s": group.longest_silence_s.median(),
+                "median_ended_s": group.ended_s.median(),
+                "median_pings_received": group.pings_received.median(),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -409,8 +461,10 @@ def report(tables: dict[str, pd.DataFrame]) -> str:
     for row in tables["holdback"].itertuples():
         expected = EXPECTED_HOLD.get(row.condition)
         said = "holds events back" if row.holds_back else "passes events on at once"
-        lines.append(f"{row.condition}: {said}" + ("" if bool(row.holds_back) == expected else
-                                                   f" (NOT as expected: {'held' if expected else 'not held'})"))
+        lines.append(
+            f"{row.condition}: {said}"
+            + ("" if bool(row.holds_back) == expected else f" (NOT as expected: {'held' if expected else 'not held'})")
+        )
     for row in tables["keepalive_summary"].itertuples():
         want = "every quiet stream survived" if row.pings == "on" else "every quiet stream was cut"
         ok = row.survived == row.runs if row.pings == "on" else row.survived == 0
@@ -432,12 +486,14 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
         ax.plot(group.arrived_at, [row - 0.15] * len(group), "|", color="C0", markersize=7)
     ax.set_yticks(range(len(conditions)), conditions)
     ax.invert_yaxis()
-    ax.set(xlabel="seconds since the request (grey: written by the server; blue: arrived at the client)",
-           title="When each event arrived, through nginx and without it (first repetition)")
+    ax.set(
+        xlabel="seconds since the request (grey: written by the server; blue: arrived at the client)",
+        title="When each event arrived, through nginx and without it (first repetition)",
+    )
 
     keep = tables["keepalive"]
     fig2, (ax2,) = new_figure("production_keepalive")
-    for i, (pings, group) in enumerate(keep.groupby("pings", sort=False)):
+    for i, (_, group) in enumerate(keep.groupby("pings", sort=False)):
         colors = ["C2" if s else "C3" for s in group.survived]
         ax2.scatter([i] * len(group), group.ended_s, c=colors, zorder=3)
     ax2.axhline(keep.read_timeout_s.iloc[0], color="0.5", linestyle="--", label="proxy_read_timeout")

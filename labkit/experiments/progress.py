@@ -7,12 +7,14 @@ the rows so far to :meth:`RunProgress.keep`, which writes them to ``<data>/<name
 crash late in a run leaves every finished condition on disk. ``save_run`` removes that folder
 once the whole run is written.
 """
+
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pandas as pd
 

@@ -13,6 +13,7 @@ It runs in the foreground (``daemon off``) as one process (``master_process off`
 child we started is all there is to stop. :func:`nginx_binary` says whether nginx is here;
 ``make system-deps`` installs it (the Debian package) where it is not.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,9 +23,9 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 __all__ = ["Route", "Nginx", "NginxUnavailable", "nginx_binary", "running_nginx", "nginx_config", "free_port"]
 
@@ -82,14 +83,15 @@ class Route:
 
 def nginx_config(folder: Path, port: int, routes: Sequence[Route]) -> str:
     """The whole config: foreground, one process, every path inside ``folder``, loopback only."""
-    temp = "\n".join(f"    {kind}_temp_path {folder / kind};" for kind in ("client_body", "proxy", "fastcgi",
-                                                                            "uwsgi", "scgi"))
+    temp = "\n".join(
+        f"    {kind}_temp_path {folder / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
     locations = "\n".join("    " + line for route in routes for line in route.location().splitlines())
     return f"""daemon off;
 master_process off;
 worker_processes 1;
-pid {folder / 'nginx.pid'};
-error_log {folder / 'error.log'} info;
+pid {folder / "nginx.pid"};
+error_log {folder / "error.log"} info;
 events {{ worker_connections 256; }}
 http {{
     access_log off;
@@ -148,8 +150,12 @@ def running_nginx(routes: Sequence[Route], *, startup_timeout: float = 10.0) -> 
         port = free_port()
         conf = folder / "nginx.conf"
         conf.write_text(nginx_config(folder, port, routes))
-        process = subprocess.Popen([binary, "-p", str(folder), "-e", str(folder / "error.log"), "-c", str(conf)],
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        process = subprocess.Popen(
+            [binary, "-p", str(folder), "-e", str(folder / "error.log"), "-c", str(conf)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         nginx = Nginx(process, port, folder, tuple(routes))
         try:
             _wait_accepting(nginx, startup_timeout)
@@ -163,8 +169,10 @@ def _wait_accepting(nginx: Nginx, timeout: float) -> None:
     while time.monotonic() < deadline:
         if nginx.process.poll() is not None:
             stderr = nginx.process.stderr.read().decode(errors="replace") if nginx.process.stderr else ""
-            raise RuntimeError(f"nginx exited with {nginx.process.returncode} at start: "
-                               f"{stderr.strip() or nginx.error_log().strip()[-2000:]}")
+            raise RuntimeError(
+                f"nginx exited with {nginx.process.returncode} at start: "
+                f"{stderr.strip() or nginx.error_log().strip()[-2000:]}"
+            )
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", nginx.port), timeout=0.2):
             return
         time.sleep(0.02)

@@ -7,6 +7,7 @@ owns its socket, speaks just enough HTTP/1.1 (one POST, ``Connection: close``), 
 transfer encoding to recover the SSE bytes, and reports in the same :class:`StreamResult` as
 :func:`labkit.experiments.client.timed_stream`, so tables mix both clients freely.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,8 @@ import contextlib
 import json
 import socket
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 from labkit.experiments.client import leave_socket
@@ -83,8 +85,14 @@ class RawConnection:
 
     async def send_post(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
         payload = json.dumps(body).encode()
-        lines = [f"POST {path} HTTP/1.1", f"Host: {self.host}:{self.port}", "Content-Type: application/json",
-                 f"Content-Length: {len(payload)}", "Accept: text/event-stream", "Connection: close"]
+        lines = [
+            f"POST {path} HTTP/1.1",
+            f"Host: {self.host}:{self.port}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(payload)}",
+            "Accept: text/event-stream",
+            "Connection: close",
+        ]
         lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
         request = ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
         await asyncio.get_running_loop().sock_sendall(self.sock, request)
@@ -148,10 +156,19 @@ def recorded(conn: RawConnection, result: StreamResult) -> Iterator[None]:
         result.ended = result.ended or time.perf_counter()
 
 
-async def raw_stream(base_url: str, body: dict[str, Any], *, path: str = "/v1/stream", read: bool = True,
-                     leave_after_tokens: int | None = None, leave_after_s: float | None = None,
-                     leave_by: LeaveBy = "fin", rcvbuf: int | None = None, drain_after_fin_s: float = 2.0,
-                     timeout: float = 300.0) -> StreamResult:
+async def raw_stream(
+    base_url: str,
+    body: dict[str, Any],
+    *,
+    path: str = "/v1/stream",
+    read: bool = True,
+    leave_after_tokens: int | None = None,
+    leave_after_s: float | None = None,
+    leave_by: LeaveBy = "fin",
+    rcvbuf: int | None = None,
+    drain_after_fin_s: float = 2.0,
+    timeout: float = 300.0,
+) -> StreamResult:
     """POST ``body`` over a fresh socket; read the SSE body, or (``read=False``) never read.
 
     Leaves by ``leave_by`` after ``leave_after_tokens`` token events (0: once the headers are in)
@@ -245,4 +262,3 @@ class _Body:
     @property
     def complete(self) -> bool:
         return self.decoder.done if self.chunked else self.remaining == 0
-

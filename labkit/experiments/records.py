@@ -4,6 +4,7 @@ Shared by both clients (:func:`labkit.experiments.client.timed_stream` over http
 :func:`labkit.experiments.rawhttp.raw_stream` over a raw socket), so a table can mix them.
 Times are ``time.perf_counter()`` values, the engine's clock.
 """
+
 from __future__ import annotations
 
 import json

@@ -15,6 +15,7 @@ request from what it found (:class:`Quirks`).
 A target that cannot be measured raises :class:`TargetError`, whose message is one line naming
 the target and what failed; the command line prints it and exits non-zero.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -201,8 +202,9 @@ class Target:
     def path(self) -> str:
         return "/v1/chat/completions" if self.api == "openai-chat" else "/v1/completions"
 
-    def body(self, prompt: str, max_tokens: int, *, usage: bool = True, eos: bool = True,
-             stream: bool = True) -> dict[str, Any]:
+    def body(
+        self, prompt: str, max_tokens: int, *, usage: bool = True, eos: bool = True, stream: bool = True
+    ) -> dict[str, Any]:
         """One request: greedy, ``max_tokens`` long (past eos where the target has a way), streamed."""
         body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0, "stream": stream}
         if self.api == "openai-chat":
@@ -219,6 +221,7 @@ class Target:
 
     def stream(self, body: dict[str, Any], options: ReadOptions | None = None) -> Reading:
         """Send one streaming request and read it (for probes; experiments launch many at once)."""
+
         async def one() -> StreamResult:
             async with self.client() as client:
                 return await timed_stream(client, body, path=self.path, options=options or ReadOptions())
@@ -228,8 +231,15 @@ class Target:
     def launch(self, bodies: list[dict[str, Any]], options: ReadOptions | None = None) -> tuple[list[Reading], float]:
         """Every body at once, each on its own connection: the readings and the makespan."""
         options = options or ReadOptions()
-        launch = run_sync(launch_streams(self.url, bodies, replace(options, timeout=max(options.timeout, self.timeout)),
-                                         path=self.path, headers=self.headers))
+        launch = run_sync(
+            launch_streams(
+                self.url,
+                bodies,
+                replace(options, timeout=max(options.timeout, self.timeout)),
+                path=self.path,
+                headers=self.headers,
+            )
+        )
         return [read(r) for r in launch.results], launch.makespan
 
 

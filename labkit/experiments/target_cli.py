@@ -4,6 +4,7 @@ Results go to ``<data>/target-NAME/`` (never over the lab's own ``<data>/NAME/``
 ``results.json`` that records the target, the model and what the probe found. A target that
 cannot be measured gets one line on stderr naming it and what failed, and exit status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,8 +87,9 @@ def config_for(name: str, profile: Profile, **overrides: Any) -> Any:
     return config_class(**{**asdict(config), **overrides}) if overrides else config
 
 
-def measure_target(name: str, target: Target, profile: Profile, config: Any = None, *, show_progress: bool = False,
-                   **overrides: Any) -> dict[str, pd.DataFrame]:
+def measure_target(
+    name: str, target: Target, profile: Profile, config: Any = None, *, show_progress: bool = False, **overrides: Any
+) -> dict[str, pd.DataFrame]:
     """Run experiment ``name`` against ``target`` (``config``, else ``profile``'s sizes with
     ``overrides``) and write its tables; each finished condition is kept in the partial folder
     until the whole run is written, as for the lab's own experiments.
@@ -103,8 +105,13 @@ def measure_target(name: str, target: Target, profile: Profile, config: Any = No
     _refuse_if_all_failed(name, target, tables)
     tables = {**tables, "quirks": quirks_table(target)}
     write_tables(f"target-{name}", tables, profile)
-    record = {"target": target.url, "model": target.model, "api": target.api, "quirks": asdict(target.quirks),
-              "config": asdict(config)}
+    record = {
+        "target": target.url,
+        "model": target.model,
+        "api": target.api,
+        "quirks": asdict(target.quirks),
+        "config": asdict(config),
+    }
     write_results(f"target-{name}", profile, config=record, elapsed_s=elapsed, tables=tables)
     shutil.rmtree(partial_dir(f"target-{name}", profile), ignore_errors=True)
     return tables

@@ -14,6 +14,7 @@ GPU server barely notices a few streams) the verdict says so instead of guessing
 target also answers ``GET /stats``: its running count after the leave is the server's own word.
 Repetitions are interleaved (FIN, RST, FIN, RST, ...).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -75,7 +76,9 @@ class DisconnectConfig:
             raise ValueError(f"DisconnectConfig.hold_s and window_s must be > 0, got {self.hold_s}, {self.window_s}")
 
 
-def run_disconnect(target: Target, config: DisconnectConfig, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
+def run_disconnect(
+    target: Target, config: DisconnectConfig, progress: Progress | None = None
+) -> dict[str, pd.DataFrame]:
     rows = []
     for rep in range(config.repetitions):
         for how in config.leave_by:
@@ -83,7 +86,9 @@ def run_disconnect(target: Target, config: DisconnectConfig, progress: Progress 
             rows.append({"leave_by": how, "round": rep, **run_sync(measure_leave(target, config, how))})
             tick(progress, runs=rows)
     runs = pd.DataFrame(rows)
-    unavailable = pd.DataFrame([{"measurement": what, "status": "not available", "why": why} for what, why in UNAVAILABLE])
+    unavailable = pd.DataFrame(
+        [{"measurement": what, "status": "not available", "why": why} for what, why in UNAVAILABLE]
+    )
     return {"runs": runs, "verdicts": verdict_table(runs, target), "unavailable": unavailable}
 
 
@@ -92,13 +97,23 @@ async def measure_leave(target: Target, config: DisconnectConfig, how: LeaveBy) 
     pid = target.pid
     idle_cpu = await _cpu_rate(pid, config.window_s)
     idle_follow = await _follow_up(target, config)
-    options = ReadOptions(leave_after_s=config.hold_s, leave_by=how, drain_after_fin_s=0.5,
-                          timeout=config.hold_s + target.timeout)
+    options = ReadOptions(
+        leave_after_s=config.hold_s, leave_by=how, drain_after_fin_s=0.5, timeout=config.hold_s + target.timeout
+    )
     results = [StreamResult(sent=0.0) for _ in range(config.streams)]
     async with target.client(config.streams) as client:
-        tasks = [asyncio.ensure_future(timed_stream(client, target.body(PROMPTS[i % len(PROMPTS)], config.max_tokens),
-                                                    path=target.path, options=options, result=r))
-                 for i, r in enumerate(results)]
+        tasks = [
+            asyncio.ensure_future(
+                timed_stream(
+                    client,
+                    target.body(PROMPTS[i % len(PROMPTS)], config.max_tokens),
+                    path=target.path,
+                    options=options,
+                    result=r,
+                )
+            )
+            for i, r in enumerate(results)
+        ]
         await _until(lambda: all(r.events or r.ended for r in results), config.hold_s + target.timeout)
         start, cpu0 = time.perf_counter(), _cpu(pid)
         during_follow = await _follow_up(target, config)
@@ -108,13 +123,21 @@ async def measure_leave(target: Target, config: DisconnectConfig, how: LeaveBy) 
     after_follow = await _follow_up(target, config)
     readings = [read(r) for r in results]
     failed = [r.error for r in readings if not r.ok and not r.result.left]
-    return {"streams_left": sum(1 for r in results if r.left), "tokens_before_leaving": np.mean([r.tokens for r in readings]),
-            "errors": len(failed), "error": failed[0] if failed else None,
-            "idle_cpu": idle_cpu, "during_cpu": during_cpu, "after_cpu": after_cpu,
-            "cpu_release": release(idle_cpu, during_cpu, after_cpu),
-            "idle_follow_gap_s": idle_follow, "during_follow_gap_s": during_follow, "after_follow_gap_s": after_follow,
-            "follow_release": release(idle_follow, during_follow, after_follow),
-            "running_after": await _running(target)}
+    return {
+        "streams_left": sum(1 for r in results if r.left),
+        "tokens_before_leaving": np.mean([r.tokens for r in readings]),
+        "errors": len(failed),
+        "error": failed[0] if failed else None,
+        "idle_cpu": idle_cpu,
+        "during_cpu": during_cpu,
+        "after_cpu": after_cpu,
+        "cpu_release": release(idle_cpu, during_cpu, after_cpu),
+        "idle_follow_gap_s": idle_follow,
+        "during_follow_gap_s": during_follow,
+        "after_follow_gap_s": after_follow,
+        "follow_release": release(idle_follow, during_follow, after_follow),
+        "running_after": await _running(target),
+    }
 
 
 def release(idle: float, during: float, after: float) -> float:
@@ -131,9 +154,17 @@ def verdict_table(runs: pd.DataFrame, target: Target) -> pd.DataFrame:
     for how, group in runs.groupby("leave_by", sort=False):
         cpu, follow = group.cpu_release.median(), group.follow_release.median()
         witness, value = ("server CPU time", cpu) if not np.isnan(cpu) else ("follow-up latency", follow)
-        rows.append({"leave_by": how, "rounds": len(group), "cpu_release": cpu, "follow_release": follow,
-                     "witness": witness if not np.isnan(value) else "none", "verdict": _verdict(value),
-                     "running_after (labkit /stats)": _running_text(group.running_after, target)})
+        rows.append(
+            {
+                "leave_by": how,
+                "rounds": len(group),
+                "cpu_release": cpu,
+                "follow_release": follow,
+                "witness": witness if not np.isnan(value) else "none",
+                "verdict": _verdict(value),
+                "running_after (labkit /stats)": _running_text(group.running_after, target),
+            }
+        )
     return pd.DataFrame(rows)
 
 

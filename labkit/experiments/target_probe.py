@@ -6,6 +6,7 @@ servers differ in ways a request cannot see in advance (``[DONE]``, usage in str
 each question; :func:`quirks_table` shows the answers, and the :class:`Quirks` they fill in shape
 every later request. A target that cannot be measured at all raises :class:`TargetError`.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,14 @@ PROBE_PROMPT = "The lighthouse keeper counted the ships every evening, writing t
 PROBE_TOKENS = 8
 
 
-def connect(url: str, model: str | None = None, api: API = "openai", pid: int | None = None,
-            timeout: float = 30.0, api_key: str | None = None) -> Target:
+def connect(
+    url: str,
+    model: str | None = None,
+    api: API = "openai",
+    pid: int | None = None,
+    timeout: float = 30.0,
+    api_key: str | None = None,
+) -> Target:
     """A probed :class:`Target`, or :class:`TargetError` saying why ``url`` cannot be measured."""
     target = Target(url, model, api, pid, timeout=timeout, api_key=api_key)
     if pid is not None and not _local_pid(pid):
@@ -45,17 +52,27 @@ def probe(target: Target) -> Target:
         target = replace(target, model=models[0])
     plain = target.stream(target.body(PROBE_PROMPT, PROBE_TOKENS, usage=False, eos=False))
     if not plain.ok:
-        raise TargetError(target.url, f"POST {target.path} (stream) failed: {plain.error}" + _hint(plain, listed, target, models))
+        raise TargetError(
+            target.url, f"POST {target.path} (stream) failed: {plain.error}" + _hint(plain, listed, target, models)
+        )
     if not any("choices" in event.data for event in plain.result.events):
         raise TargetError(target.url, f"POST {target.path} streamed no completion chunks (not an OpenAI stream?)")
-    asked = target.stream({**target.body(PROBE_PROMPT, PROBE_TOKENS, eos=False),
-                           "stream_options": {"include_usage": True}})
+    asked = target.stream(
+        {**target.body(PROBE_PROMPT, PROBE_TOKENS, eos=False), "stream_options": {"include_usage": True}}
+    )
     flags, flag = _eos_flags(target, tested=plain.finish_reason != "length")
-    quirks = Quirks(models=models, models_listed=listed, sends_done=plain.done,
-                    usage_when_asked=asked.ok and asked.usage is not None, usage_unasked=plain.usage is not None,
-                    stream_options_accepted=asked.ok, eos_flags=flags, eos_flag=flag,
-                    eos_reached_without_flag=plain.finish_reason != "length",
-                    labkit_internals=_has_stats(target))
+    quirks = Quirks(
+        models=models,
+        models_listed=listed,
+        sends_done=plain.done,
+        usage_when_asked=asked.ok and asked.usage is not None,
+        usage_unasked=plain.usage is not None,
+        stream_options_accepted=asked.ok,
+        eos_flags=flags,
+        eos_flag=flag,
+        eos_reached_without_flag=plain.finish_reason != "length",
+        labkit_internals=_has_stats(target),
+    )
     return replace(target, quirks=quirks)
 
 
@@ -140,7 +157,7 @@ def cpu_seconds(pid: int) -> float:
 def quirks_table(target: Target) -> pd.DataFrame:
     """What the probe found, one question a row, as the command line and the notebooks show it."""
     q = target.quirks
-    eos = ("; ".join(f"{flag}: {what}" for flag, what in q.eos_flags.items()) or "not probed")
+    eos = "; ".join(f"{flag}: {what}" for flag, what in q.eos_flags.items()) or "not probed"
     rows = [
         ("target", target.url),
         ("route", f"POST {target.path} (stream: true)"),

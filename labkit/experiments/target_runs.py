@@ -13,6 +13,7 @@ rather than guessed.
   over all levels): makespan, tokens/s, time to first token and gaps; speedup against the same
   sweep's single-stream runs (``level × median single-stream makespan / makespan``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -82,30 +83,46 @@ def run_wire(target: Target, config: WireConfig, progress: Progress | None = Non
     rows = run_sync(_wire(target, config, progress))
     streams = pd.DataFrame(rows)
     total = len(streams)
-    checks = pd.DataFrame([{"check": text, "passed": int(streams[col].sum()), "streams": total}
-                           for col, text in WIRE_CHECKS])
-    return {"streams": streams, "checks": checks, "sizes": size_table(streams),
-            "unavailable": _unavailable(WIRE_UNAVAILABLE)}
+    checks = pd.DataFrame(
+        [{"check": text, "passed": int(streams[col].sum()), "streams": total} for col, text in WIRE_CHECKS]
+    )
+    return {
+        "streams": streams,
+        "checks": checks,
+        "sizes": size_table(streams),
+        "unavailable": _unavailable(WIRE_UNAVAILABLE),
+    }
 
 
 def size_table(streams: pd.DataFrame) -> pd.DataFrame:
     """Bytes per token over the streams that ran to max_tokens (others spread fixed bytes over fewer)."""
     full = streams[streams.finish_reason == "length"]
-    return pd.DataFrame([{"streams_to_max_tokens": len(full), "tokens_per_stream": full.tokens.median(),
-                          "chunks_per_stream": full.chunks.median(), "bytes_per_token_median": full.bytes_per_token.median(),
-                          "bytes_per_token_min": full.bytes_per_token.min(), "bytes_per_token_max": full.bytes_per_token.max(),
-                          "ttft_median_ms": 1e3 * streams.ttft_s.median()}])
+    return pd.DataFrame(
+        [
+            {
+                "streams_to_max_tokens": len(full),
+                "tokens_per_stream": full.tokens.median(),
+                "chunks_per_stream": full.chunks.median(),
+                "bytes_per_token_median": full.bytes_per_token.median(),
+                "bytes_per_token_min": full.bytes_per_token.min(),
+                "bytes_per_token_max": full.bytes_per_token.max(),
+                "ttft_median_ms": 1e3 * streams.ttft_s.median(),
+            }
+        ]
+    )
 
 
 async def _wire(target: Target, config: WireConfig, progress: Progress | None) -> list[dict[str, Any]]:
     gate = asyncio.Semaphore(config.concurrency)
     async with target.client(2 * config.concurrency) as client:
+
         async def one(i: int) -> dict[str, Any]:
             prompt = PROMPTS[i % len(PROMPTS)]
             async with gate:
                 streamed, whole = await asyncio.gather(
                     timed_stream(client, target.body(prompt, config.max_tokens), path=target.path),
-                    _whole(client, target.path, target.body(prompt, config.max_tokens, stream=False)))
+                    _whole(client, target.path, target.body(prompt, config.max_tokens, stream=False)),
+                )
             tick(progress)
             return wire_row(i, read(streamed), whole)
 
@@ -127,16 +144,25 @@ def wire_row(index: int, stream: Reading, whole: dict[str, Any]) -> dict[str, An
     whole_text = choice.get("text", (choice.get("message") or {}).get("content"))
     result = stream.result
     return {
-        "prompt": index, "status": result.status, "content_type": result.content_type,
+        "prompt": index,
+        "status": result.status,
+        "content_type": result.content_type,
         "answered_200": result.status == 200 and result.content_type.startswith("text/event-stream"),
         "order_ok": re.fullmatch(r"r?t*fu?d?", chunk_order(stream)) is not None,
-        "done_sent": stream.done, "usage_sent": stream.usage is not None,
-        "text_matches": stream.text == whole_text, "finish_matches": stream.finish_reason == choice.get("finish_reason"),
+        "done_sent": stream.done,
+        "usage_sent": stream.usage is not None,
+        "text_matches": stream.text == whole_text,
+        "finish_matches": stream.finish_reason == choice.get("finish_reason"),
         "usage_matches": stream.usage is not None and stream.usage == whole.get("usage"),
         "no_error": stream.ok and result.unfinished_bytes == 0,
-        "tokens": stream.tokens, "chunks": stream.chunks, "finish_reason": stream.finish_reason,
-        "bytes": result.total_bytes, "bytes_per_token": result.total_bytes / stream.tokens if stream.tokens else float("nan"),
-        "ttft_s": stream.ttft, "duration_s": stream.duration, "error": stream.error,
+        "tokens": stream.tokens,
+        "chunks": stream.chunks,
+        "finish_reason": stream.finish_reason,
+        "bytes": result.total_bytes,
+        "bytes_per_token": result.total_bytes / stream.tokens if stream.tokens else float("nan"),
+        "ttft_s": stream.ttft,
+        "duration_s": stream.duration,
+        "error": stream.error,
     }
 
 
@@ -214,26 +240,44 @@ def launch_row(readings: list[Reading], makespan: float, max_tokens: int) -> dic
     ttft = percentiles(r.ttft for r in readings if r.ttft is not None)
     gaps = percentiles(g for r in readings for g in r.gaps)
     tokens = sum(r.tokens for r in readings if r.ok)
-    return {"makespan_s": makespan, "tokens": tokens, "tokens_per_s": tokens / makespan if makespan > 0 else float("nan"),
-            "ttft_p50_s": ttft["p50"], "ttft_p99_s": ttft["p99"], "gap_p50_s": gaps["p50"], "gap_p99_s": gaps["p99"],
-            "errors": sum(1 for r in readings if not r.ok),
-            "short_streams": sum(1 for r in readings if r.ok and r.tokens < max_tokens)}
+    return {
+        "makespan_s": makespan,
+        "tokens": tokens,
+        "tokens_per_s": tokens / makespan if makespan > 0 else float("nan"),
+        "ttft_p50_s": ttft["p50"],
+        "ttft_p99_s": ttft["p99"],
+        "gap_p50_s": gaps["p50"],
+        "gap_p99_s": gaps["p99"],
+        "errors": sum(1 for r in readings if not r.ok),
+        "short_streams": sum(1 for r in readings if r.ok and r.tokens < max_tokens),
+    }
 
 
 def level_table(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per level: the median of its rounds and the range (low–high) of the headline numbers."""
+
     def span(values: pd.Series, fmt: str) -> str:
         low, high = fmt.format(values.min()), fmt.format(values.max())
         return low if low == high else f"{low}–{high}"
 
     rows = []
     for level, group in runs.groupby("level"):
-        rows.append({"streams": level, "rounds": len(group),
-                     "tokens_per_s": group.tokens_per_s.median(), "tokens_per_s_range": span(group.tokens_per_s, "{:.1f}"),
-                     "speedup": group.speedup.median(), "speedup_range": span(group.speedup, "{:.2f}"),
-                     "ttft_p50_ms": 1e3 * group.ttft_p50_s.median(), "ttft_p99_ms": 1e3 * group.ttft_p99_s.median(),
-                     "gap_p50_ms": 1e3 * group.gap_p50_s.median(), "gap_p99_ms": 1e3 * group.gap_p99_s.median(),
-                     "errors": int(group.errors.sum()), "short_streams": int(group.short_streams.sum())})
+        rows.append(
+            {
+                "streams": level,
+                "rounds": len(group),
+                "tokens_per_s": group.tokens_per_s.median(),
+                "tokens_per_s_range": span(group.tokens_per_s, "{:.1f}"),
+                "speedup": group.speedup.median(),
+                "speedup_range": span(group.speedup, "{:.2f}"),
+                "ttft_p50_ms": 1e3 * group.ttft_p50_s.median(),
+                "ttft_p99_ms": 1e3 * group.ttft_p99_s.median(),
+                "gap_p50_ms": 1e3 * group.gap_p50_s.median(),
+                "gap_p99_ms": 1e3 * group.gap_p99_s.median(),
+                "errors": int(group.errors.sum()),
+                "short_streams": int(group.short_streams.sum()),
+            }
+        )
     return pd.DataFrame(rows)
 
 

@@ -6,6 +6,7 @@ header against the ``start`` event, the order start, token..., done, the same to
 usage and finish reason as the JSON answer, a last event id that matches the count of events, and
 nothing left unfinished; and we count the bytes per token and the empty text deltas.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +44,7 @@ class Config:
 
     @classmethod
     def for_profile(cls, profile: Profile) -> Config:
-        return cls(model=profile.model, prompts=40 if profile.full else 12,
-                   concurrency=8 if profile.full else 4)
+        return cls(model=profile.model, prompts=40 if profile.full else 12, concurrency=8 if profile.full else 4)
 
     def __post_init__(self) -> None:
         for name in ("prompts", "max_new_tokens", "concurrency"):
@@ -72,11 +72,13 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
 async def _measure(url: str, config: Config, progress: Progress | None) -> list[dict[str, Any]]:
     gate = asyncio.Semaphore(config.concurrency)
     async with async_client(url, connections=2 * config.concurrency) as client:
+
         async def one(i: int) -> dict[str, Any]:
             body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_new_tokens": config.max_new_tokens}
             async with gate:
-                stream, answer = await asyncio.gather(timed_stream(client, body),
-                                                      client.post("/v1/generate", json=body))
+                stream, answer = await asyncio.gather(
+                    timed_stream(client, body), client.post("/v1/generate", json=body)
+                )
             tick(progress)
             return compare(i, stream, answer.json() if answer.status_code == 200 else {})
 
@@ -137,8 +139,13 @@ def checks_table(streams: pd.DataFrame) -> pd.DataFrame:
     """How many of the streams passed each check: ``passed`` of ``streams``."""
     total = len(streams)
     rows = [{"check": text, "passed": int(streams[col].sum()), "streams": total} for col, text in CHECKS]
-    rows.append({"check": "token events with an empty text delta (end-of-sequence tokens not counted)",
-                 "passed": int(streams.empty_deltas.sum()), "streams": int(streams.tokens.sum())})
+    rows.append(
+        {
+            "check": "token events with an empty text delta (end-of-sequence tokens not counted)",
+            "passed": int(streams.empty_deltas.sum()),
+            "streams": int(streams.tokens.sum()),
+        }
+    )
     return pd.DataFrame(rows)
 
 
@@ -172,9 +179,15 @@ def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
 def report(tables: dict[str, pd.DataFrame]) -> str:
     """The invariant lines a notebook prints: the same text for any profile when every check holds."""
     rows = list(tables["checks"].itertuples())[: len(CHECKS)]
-    return "\n".join(f"{row.check}: " + ("every stream" if row.passed == row.streams
-                                          else f"{row.streams - row.passed} of {row.streams} streams FAILED")
-                     for row in rows)
+    return "\n".join(
+        f"{row.check}: "
+        + (
+            "every stream"
+            if row.passed == row.streams
+            else f"{row.streams - row.passed} of {row.streams} streams FAILED"
+        )
+        for row in rows
+    )
 
 
 def plot(tables: dict[str, pd.DataFrame]) -> list:
@@ -184,8 +197,12 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
     fig, (left, right) = new_figure("wire_bytes", ncols=2)
     full = streams.finish_reason == "length"
     left.bar(streams.prompt[full], streams.bytes_per_token[full], color="tab:blue", label="ran to its token limit")
-    left.bar(streams.prompt[~full], streams.bytes_per_token[~full], color="lightgray",
-             label="ended early (start and done over few tokens)")
+    left.bar(
+        streams.prompt[~full],
+        streams.bytes_per_token[~full],
+        color="lightgray",
+        label="ended early (start and done over few tokens)",
+    )
     left.set(xlabel="stream (prompt number)", ylabel="bytes per token", title="Wire cost per token, whole stream")
     left.legend(loc="upper right")
     kinds = [k for k in ("start", "token", "done") if k in set(events.event)]

@@ -7,13 +7,37 @@ policies between them.
 * :mod:`labkit.hub.policies`: the five policies; each returns a :class:`Decision`.
 * :mod:`labkit.hub.stepper`: the step thread and its one delivery channel to the loop.
 """
+
 from labkit.hub.config import DELIVERY_MODES, HubConfig
 from labkit.hub.hub import Draining, Engine, Hub, HubStats
 from labkit.hub.policies import POLICIES, Decision, Flow
-from labkit.hub.stream import (TRANSITIONS, IllegalTransition, Item, Stream, StreamClosed, StreamError,
-                               StreamRecord, StreamState)
+from labkit.hub.stream import (
+    TRANSITIONS,
+    IllegalTransition,
+    Item,
+    Stream,
+    StreamClosed,
+    StreamError,
+    StreamRecord,
+    StreamState,
+)
 
 __all__ = [
-    "DELIVERY_MODES", "POLICIES", "TRANSITIONS", "Decision", "Draining", "Engine", "Flow", "Hub", "HubConfig",
-    "HubStats", "IllegalTransition", "Item", "Stream", "StreamClosed", "StreamError", "StreamRecord", "StreamState",
+    "DELIVERY_MODES",
+    "POLICIES",
+    "TRANSITIONS",
+    "Decision",
+    "Draining",
+    "Engine",
+    "Flow",
+    "Hub",
+    "HubConfig",
+    "HubStats",
+    "IllegalTransition",
+    "Item",
+    "Stream",
+    "StreamClosed",
+    "StreamError",
+    "StreamRecord",
+    "StreamState",
 ]

@@ -1,5 +1,6 @@
 """The hub's settings: the slow-reader policy, first-token delivery, and the two bounds that keep
 clients that never read from holding a server (``max_pause``, ``queue_timeout``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -18,6 +18,7 @@ a cancelled task where any ``await`` raises again. It cancels the engine request
 live; the engine releases the blocks at its next step boundary. Events that arrive afterwards
 (the cancelled finish, tokens already in flight) are dropped and counted as ``late_events``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,9 +26,10 @@ import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Protocol, Sequence
+from typing import Any, Literal, Protocol
 
 from labkit.engine.events import Event, FinishEvent, TokenEvent
 from labkit.errors import LabkitError
@@ -47,9 +49,18 @@ class Engine(Protocol):
     """What the hub needs of an engine (``BatchEngine``, or a fake in tests). ``submit``,
     ``cancel``, ``pause`` and ``resume`` are thread-safe; the rest run on the step thread."""
 
-    def submit(self, prompt: str | Sequence[int], *, max_new_tokens: int = ..., stop: str | Sequence[str] = ...,
-               temperature: float = ..., top_p: float = ..., seed: int | None = ..., ignore_eos: bool = ...,
-               request_id: str | None = ...) -> str: ...
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_new_tokens: int = ...,
+        stop: str | Sequence[str] = ...,
+        temperature: float = ...,
+        top_p: float = ...,
+        seed: int | None = ...,
+        ignore_eos: bool = ...,
+        request_id: str | None = ...,
+    ) -> str: ...
 
     def cancel(self, rid: str) -> None: ...
 
@@ -119,9 +130,15 @@ class Hub:
         if self._thread is not None:
             raise RuntimeError("the hub is already running")
         self._loop = loop or asyncio.get_running_loop()
-        self._thread = StepThread(self.engine, self._loop, deliver=self._deliver,
-                                  waits_for_reader=self.policy.waits_for_reader, on_error=self._fail_open,
-                                  first_token=self.config.first_token, idle_wait=self.config.idle_wait)
+        self._thread = StepThread(
+            self.engine,
+            self._loop,
+            deliver=self._deliver,
+            waits_for_reader=self.policy.waits_for_reader,
+            on_error=self._fail_open,
+            first_token=self.config.first_token,
+            idle_wait=self.config.idle_wait,
+        )
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -180,9 +197,18 @@ class Hub:
         return future
 
     # -- streams (loop thread) -------------------------------------------------------------
-    def open(self, prompt: str | Sequence[int], *, max_new_tokens: int = 64, stop: str | Sequence[str] = (),
-             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-             ignore_eos: bool = False, request_id: str | None = None) -> Stream:
+    def open(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_new_tokens: int = 64,
+        stop: str | Sequence[str] = (),
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        request_id: str | None = None,
+    ) -> Stream:
         """Submit a request and register its stream. Raises Draining or the engine's refusals."""
         if self.draining:
             raise Draining("the server is draining and accepts no new requests")
@@ -191,9 +217,19 @@ class Hub:
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         prompt_tokens = None if isinstance(prompt, str) else len(prompt)
         stream = Stream(StreamRecord(rid, prompt_tokens, max_new_tokens, time.perf_counter()), self._taken)
-        self._tell("submit", stream, {"prompt": prompt, "max_new_tokens": max_new_tokens, "stop": stop,
-                                      "temperature": temperature, "top_p": top_p, "seed": seed,
-                                      "ignore_eos": ignore_eos})
+        self._tell(
+            "submit",
+            stream,
+            {
+                "prompt": prompt,
+                "max_new_tokens": max_new_tokens,
+                "stop": stop,
+                "temperature": temperature,
+                "top_p": top_p,
+                "seed": seed,
+                "ignore_eos": ignore_eos,
+            },
+        )
         record = stream.record
         self._streams[rid] = stream
         self._remember(record)
@@ -284,13 +320,21 @@ class Hub:
 
     def _pause_expired(self, stream: Stream) -> None:
         if stream.state is StreamState.PAUSED:
-            self._drop(stream, "slow_client", f"the client read nothing for over {self.config.max_pause:g} s "
-                                              "while its request was paused; the request was cancelled")
+            self._drop(
+                stream,
+                "slow_client",
+                f"the client read nothing for over {self.config.max_pause:g} s "
+                "while its request was paused; the request was cancelled",
+            )
 
     def _queue_expired(self, stream: Stream) -> None:
         if stream.state is StreamState.QUEUED:
-            self._drop(stream, "queue_timeout", f"the request waited over {self.config.queue_timeout:g} s "
-                                                "for its first token and was cancelled; try again later")
+            self._drop(
+                stream,
+                "queue_timeout",
+                f"the request waited over {self.config.queue_timeout:g} s "
+                "for its first token and was cancelled; try again later",
+            )
 
     # -- reading state --------------------------------------------------------------------------
     @property
@@ -315,13 +359,20 @@ class Hub:
         streams = list(self._streams.values())
         thread = self._thread
         return HubStats(
-            policy=self.config.policy, first_token=self.config.first_token, open_streams=len(streams),
+            policy=self.config.policy,
+            first_token=self.config.first_token,
+            open_streams=len(streams),
             queued_events=sum(len(s) for s in streams),
             paused_streams=sum(1 for s in streams if s.state is StreamState.PAUSED),
-            late_events=self._late, errors=self._errors + (thread.errors if thread else 0),
-            draining=self.draining, step_thread_alive=thread is not None and thread.is_alive(),
-            states=dict(Counter(s.state.value for s in streams)), dropped=dict(self._dropped),
-            finishes=dict(self._finishes), ends=dict(self._ends))
+            late_events=self._late,
+            errors=self._errors + (thread.errors if thread else 0),
+            draining=self.draining,
+            step_thread_alive=thread is not None and thread.is_alive(),
+            states=dict(Counter(s.state.value for s in streams)),
+            dropped=dict(self._dropped),
+            finishes=dict(self._finishes),
+            ends=dict(self._ends),
+        )
 
     # -- the loop's end of the delivery channel ---------------------------------------------------
     def _deliver(self, events: list[Event], step: int, ack: threading.Event | None) -> None:
@@ -349,8 +400,9 @@ class Hub:
         if isinstance(event, FinishEvent) and event.reason == "error":
             # The engine ended this request alone (its row could not be sampled): its reader gets
             # an error, its neighbours carry on.
-            stream.put(StreamError("internal_error", event.error or "the request failed in the engine"),
-                       time.perf_counter())
+            stream.put(
+                StreamError("internal_error", event.error or "the request failed in the engine"), time.perf_counter()
+            )
         else:
             stream.put(event, time.perf_counter())
         if isinstance(event, FinishEvent):

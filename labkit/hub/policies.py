@@ -14,6 +14,7 @@ the hub carries it out (moves the stream, tells the engine, arms or disarms the 
 Every method runs on the event loop's thread, after an item is put in or taken out of a queue,
 or when the stall timer the policy asked for runs out.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,8 +64,10 @@ class Policy:
         return KEEP
 
     def stall_message(self) -> str:
-        return (f"the client stayed {self.high_water} or more events behind for over "
-                f"{self.stall_timeout:g} s; the request was cancelled")
+        return (
+            f"the client stayed {self.high_water} or more events behind for over "
+            f"{self.stall_timeout:g} s; the request was cancelled"
+        )
 
 
 class Naive(Policy):

@@ -15,14 +15,16 @@ returns. Every event goes through the channel exactly once.
 Integrity checks: :meth:`check_integrity` queues a check and returns a Future; the thread runs
 it between two steps (or while idle), so a check never races the step it checks.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 from labkit.engine.events import Event, TokenEvent
 
@@ -33,8 +35,17 @@ OnError = Callable[[str], None]
 
 
 class StepThread:
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, *, deliver: Deliver,
-                 waits_for_reader: bool, on_error: OnError, first_token: str, idle_wait: float) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        deliver: Deliver,
+        waits_for_reader: bool,
+        on_error: OnError,
+        first_token: str,
+        idle_wait: float,
+    ) -> None:
         self.engine, self.loop = engine, loop
         self._deliver, self._waits, self._on_error = deliver, waits_for_reader, on_error
         self._prefill_first = first_token == "prefill"

@@ -24,14 +24,16 @@ only through ``loop.call_soon_threadsafe``, which is why no lock appears in this
 All times are ``time.perf_counter()`` values, the engine's clock; on Linux it is the system-wide
 monotonic clock, so a client in another process on the same machine can compare against it.
 """
+
 from __future__ import annotations
 
 import asyncio
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, Callable, Union
+from typing import Any
 
 from labkit.engine.events import FinishEvent, TokenEvent
 
@@ -70,7 +72,7 @@ class StreamError:
     message: str
 
 
-Item = Union[TokenEvent, FinishEvent, StreamError]
+Item = TokenEvent | FinishEvent | StreamError
 
 
 class StreamClosed(Exception):

@@ -1,4 +1,5 @@
 """Where labkit keeps what it converts once per machine, and how it writes there safely."""
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@
 The hub is unreachable from the lab machines, so nothing here tries the network: an id loads
 only if the user's Hugging Face cache already holds it, and the error says what to use instead.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

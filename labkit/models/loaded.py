@@ -1,4 +1,5 @@
 """LoadedModel: what every loader returns and what the engine consumes."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """``load_model``: one entry point for labkit's named models, hub ids and local folders."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -5,6 +5,7 @@ to float32) but takes ~25 s and cannot save the result, so the first load copies
 a plain ``LlamaForCausalLM`` and saves it with the tokenizer under ``<cache>/smollm2-135m``;
 every later load reads that folder in about two seconds.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

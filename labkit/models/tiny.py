@@ -5,6 +5,7 @@ large spread (``initializer_range=0.2``): with the default 0.02 the logits are n
 greedy picks hinge on rounding-level gaps, and every prompt continues the same way. With 0.2 the
 top logit usually wins by a wide margin and different prompts continue differently.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,14 @@ def tiny_gpt2() -> LoadedModel:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=50257, n_positions=512, n_embd=64, n_layer=2, n_head=4,
-        initializer_range=INIT_STD, bos_token_id=50256, eos_token_id=50256,
+        vocab_size=50257,
+        n_positions=512,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        initializer_range=INIT_STD,
+        bos_token_id=50256,
+        eos_token_id=50256,
     )
     model = _seeded(lambda: GPT2LMHeadModel(config))
     return LoadedModel("tiny-gpt2", model, gpt2_tokenizer(), "gpt2")
@@ -34,10 +41,20 @@ def tiny_llama() -> LoadedModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False, initializer_range=INIT_STD,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        initializer_range=INIT_STD,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
     )
     model = _seeded(lambda: LlamaForCausalLM(config))
     return LoadedModel("tiny-llama", model, smollm2_tokenizer(), "llama")

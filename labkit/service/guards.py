@@ -8,6 +8,7 @@ sends that name as ``Host``, so accepting only loopback names (by default) refus
 :class:`RetryAfterOn503` adds ``Retry-After`` to any 503 that lacks one, whichever route or
 handler made it, so a client always learns when to come back.
 """
+
 from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send

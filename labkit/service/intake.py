@@ -18,6 +18,7 @@ it tokenized, or the chat template applied, in a thread of its own if it is long
 (:func:`off_loop`). On the event loop a 1 MiB prompt held every other stream's writes for
 0.6-1.8 s.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,7 +50,9 @@ def _unicode(text: str) -> str:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
-            raise PydanticCustomError("invalid_unicode", "must be valid Unicode text (it holds a lone surrogate)") from None
+            raise PydanticCustomError(
+                "invalid_unicode", "must be valid Unicode text (it holds a lone surrogate)"
+            ) from None
     return text
 
 
@@ -83,8 +86,9 @@ def accepting(*allowed: Any) -> BeforeValidator:
     def check(value: Any) -> Any:
         if value is None or any(_same(value, a) for a in allowed):
             return value
-        raise PydanticCustomError("unsupported", "not supported by this server (accepted: {accepted})",
-                                  {"accepted": shown})
+        raise PydanticCustomError(
+            "unsupported", "not supported by this server (accepted: {accepted})", {"accepted": shown}
+        )
 
     return BeforeValidator(check)
 
@@ -123,8 +127,10 @@ class PromptLimits:
 
     def check_chars(self, chars: int) -> None:
         if chars > self.max_chars:
-            raise PromptTooLong(f"a prompt of {chars} characters cannot fit the model's context of "
-                                f"{self.max_context} tokens (at most {self.max_chars} characters could)")
+            raise PromptTooLong(
+                f"a prompt of {chars} characters cannot fit the model's context of "
+                f"{self.max_context} tokens (at most {self.max_chars} characters could)"
+            )
 
 
 def _longest_token(tokenizer: Any) -> int:

@@ -19,13 +19,15 @@ buffers). A client that never reads sends the request on a raw socket with its o
 is bounded: events of at most ``FLOOD_MAX_EVENT_BYTES``, at most ``FLOOD_MAX_EVENTS`` of them,
 ``FLOOD_MAX_BYTES`` in all (422 beyond), which is well past any buffer the lab measures.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
@@ -66,8 +68,9 @@ class FloodRequest(BaseModel):
     @model_validator(mode="after")
     def bounded(self) -> FloodRequest:
         if self.event_bytes * self.count > FLOOD_MAX_BYTES:
-            raise ValueError(f"event_bytes * count must be at most {FLOOD_MAX_BYTES} bytes, "
-                             f"got {self.event_bytes * self.count}")
+            raise ValueError(
+                f"event_bytes * count must be at most {FLOOD_MAX_BYTES} bytes, got {self.event_bytes * self.count}"
+            )
         return self
 
 

@@ -6,9 +6,11 @@ histograms observed as tokens are written; everything that is state (open stream
 blocks, finishes) is read from the hub and the engine when ``/metrics`` is scraped, so there is
 no second set of books to drift from the first.
 """
+
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -26,15 +28,24 @@ class Metrics:
 
     def __init__(self, read: Callable[[], ServiceStats]) -> None:
         self.registry = CollectorRegistry()
-        self.ttft = Histogram("labkit_time_to_first_token_seconds",
-                              "From submit to the first token taken by the stream's writer.",
-                              buckets=TTFT_BUCKETS, registry=self.registry)
-        self.gap = Histogram("labkit_inter_token_gap_seconds",
-                             "Between consecutive tokens taken by one stream's writer.",
-                             buckets=GAP_BUCKETS, registry=self.registry)
-        self.connections_closed = Counter("labkit_connections_closed",
-                                          "Connections the server closed itself, by reason (a timeout, the cap).",
-                                          ["reason"], registry=self.registry)
+        self.ttft = Histogram(
+            "labkit_time_to_first_token_seconds",
+            "From submit to the first token taken by the stream's writer.",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.gap = Histogram(
+            "labkit_inter_token_gap_seconds",
+            "Between consecutive tokens taken by one stream's writer.",
+            buckets=GAP_BUCKETS,
+            registry=self.registry,
+        )
+        self.connections_closed = Counter(
+            "labkit_connections_closed",
+            "Connections the server closed itself, by reason (a timeout, the cap).",
+            ["reason"],
+            registry=self.registry,
+        )
         self.registry.register(StateCollector(read))
 
     def first_token(self, seconds: float) -> None:
@@ -67,8 +78,9 @@ class StateCollector(Collector):
         yield _gauge("labkit_kv_blocks_total", "KV-cache blocks in the pool.", stats.total_blocks)
         yield _counter("labkit_finishes", "Requests that left the engine, by reason.", "reason", stats.finishes)
         yield _counter("labkit_stream_ends", "Streams closed, by how they ended.", "end", stats.stream_ends)
-        yield _counter("labkit_stream_drops", "Streams the hub ended with an error, by type.", "type",
-                       stats.hub.dropped)
+        yield _counter(
+            "labkit_stream_drops", "Streams the hub ended with an error, by type.", "type", stats.hub.dropped
+        )
         late = CounterMetricFamily("labkit_late_events", "Engine events dropped for closed streams.")
         late.add_metric([], stats.late_events)
         yield late

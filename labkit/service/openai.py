@@ -15,6 +15,7 @@ the OpenAPI schema says exactly that. The ``model`` field is accepted whatever i
 says and the answer names the model actually served. Unknown fields are ignored, as OpenAI's
 own SDKs send many. ``temperature`` defaults to 1, OpenAI's default; pass 0 for greedy.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,18 @@ from labkit.schema import error_envelope
 from labkit.service.errors import public_message
 from labkit.service.frames import PING, items, padding
 from labkit.service.intake import (
-    MAX_CONTENT_PARTS, MAX_MESSAGES, Count, Number, Prompt, Seed, Stop, Text, TokenId, accepting,
-    chat_ids, prompt_ids,
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    Count,
+    Number,
+    Prompt,
+    Seed,
+    Stop,
+    Text,
+    TokenId,
+    accepting,
+    chat_ids,
+    prompt_ids,
 )
 from labkit.service.openapi import OPENAI_ANSWER
 from labkit.service.responses import sse_response
@@ -76,9 +87,12 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: (Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=1)]
-             | Annotated[list[TokenId], Field(min_length=1)]
-             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)])
+    prompt: (
+        Prompt
+        | Annotated[list[Prompt], Field(min_length=1, max_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)]
+    )
     max_tokens: Count | None = 16
     echo: Annotated[Literal[False] | None, accepting(False)] = False
     logprobs: Annotated[None, accepting()] = None
@@ -158,19 +172,28 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
 Kind = Literal["completion", "chat"]
 
 
-async def answer(request: Request, service: Service, body: _Sampling, ids: list[int], max_tokens: int,
-                 kind: Kind) -> Response:
+async def answer(
+    request: Request, service: Service, body: _Sampling, ids: list[int], max_tokens: int, kind: Kind
+) -> Response:
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
-    stream = service.open(ids, max_new_tokens=max_tokens, stop=body.stop, temperature=temperature,
-                          top_p=top_p, seed=body.seed, ignore_eos=body.ignore_eos)
+    stream = service.open(
+        ids,
+        max_new_tokens=max_tokens,
+        stop=body.stop,
+        temperature=temperature,
+        top_p=top_p,
+        seed=body.seed,
+        ignore_eos=body.ignore_eos,
+    )
     shape = Shape(kind, stream.rid, service.model_name, len(ids))
     headers = {"X-Request-ID": stream.rid}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = stream_chunks(service, stream, shape, include_usage)
-        return sse_response(chunks, service.config.response_class, request_id=stream.rid,
-                            on_close=lambda: service.hub.close(stream))
+        return sse_response(
+            chunks, service.config.response_class, request_id=stream.rid, on_close=lambda: service.hub.close(stream)
+        )
     result = await collect_whole(request, service, stream)
     if result is None:
         return Response(status_code=499)
@@ -190,18 +213,28 @@ class Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
 
     def whole(self, result: dict[str, Any]) -> dict[str, Any]:
         finish = _FINISH[result["finish_reason"]]
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]},
-                      "logprobs": None, "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": result["text"]},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
         else:
             choice = {"index": 0, "text": result["text"], "logprobs": None, "finish_reason": finish}
-        return {**self._head(self.object), "choices": [choice],
-                "usage": self.usage(result["usage"]["completion_tokens"])}
+        return {
+            **self._head(self.object),
+            "choices": [choice],
+            "usage": self.usage(result["usage"]["completion_tokens"]),
+        }
 
     def chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> dict[str, Any]:
         if self.kind == "chat":
@@ -242,8 +275,11 @@ async def stream_chunks(service: Service, stream: Stream, shape: Shape, include_
                 if include_usage:
                     yield _data(shape.usage_chunk(item.usage.completion_tokens))
             else:
-                kind, message = ("cancelled", "the request was cancelled") if isinstance(item, FinishEvent) \
+                kind, message = (
+                    ("cancelled", "the request was cancelled")
+                    if isinstance(item, FinishEvent)
                     else (item.type, item.message)
+                )
                 yield _data(error_envelope(kind, public_message(kind, message)))
         if ended:  # a stream closed under us (forced shutdown) must not look complete
             yield _data("[DONE]")

@@ -5,6 +5,7 @@ service sends (:class:`ErrorBody`), which also replaces FastAPI's default 422 (a
 [...]}`` body the service never sends); streams are documented as ``text/event-stream``.
 ``tests/test_service_openapi.py`` holds the two to each other with a schema-driven fuzz.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -64,11 +65,21 @@ def sse(description: str, event: dict[str, Any], also_json: bool = False) -> Res
 
 
 BODY_REFUSALS = refusals(413, 422, 429, 503)  # what any route that submits a request may answer
-LAB_STREAM = {**sse("Server-sent events: start, token..., done | error (see labkit.schema).", LAB_EVENT),
-              **BODY_REFUSALS}
-OPENAI_ANSWER = {**sse("The whole answer as JSON, or with stream: true server-sent events of JSON "
-                       "chunks ending with data: [DONE].", OPENAI_EVENT, also_json=True), **BODY_REFUSALS}
-RESUME = {**sse("The events after the cursor, then the live stream to its end.", LAB_EVENT),
-          204: {"description": "The stream finished and nothing is after the cursor."},
-          **refusals(404, 410, 422)}
+LAB_STREAM = {
+    **sse("Server-sent events: start, token..., done | error (see labkit.schema).", LAB_EVENT),
+    **BODY_REFUSALS,
+}
+OPENAI_ANSWER = {
+    **sse(
+        "The whole answer as JSON, or with stream: true server-sent events of JSON chunks ending with data: [DONE].",
+        OPENAI_EVENT,
+        also_json=True,
+    ),
+    **BODY_REFUSALS,
+}
+RESUME = {
+    **sse("The events after the cursor, then the live stream to its end.", LAB_EVENT),
+    204: {"description": "The stream finished and nothing is after the cursor."},
+    **refusals(404, 410, 422),
+}
 HEALTH = refusals(503)

@@ -19,9 +19,11 @@ the body generator, run however the response ends. If the disconnect lands while
 awaits ``send()``, the generator is parked at a ``yield`` and its ``finally`` would otherwise
 wait for the garbage collector.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import anyio
 from starlette.requests import ClientDisconnect
@@ -65,7 +67,7 @@ class WriteOnlyStreamingResponse(ClosingStreamingResponse):
         try:
             await self.stream_response(send)
         except OSError:
-            raise ClientDisconnect()
+            raise ClientDisconnect() from None
         if self.background is not None:
             await self.background()
 
@@ -78,9 +80,14 @@ def response_class(name: str) -> type[ClosingStreamingResponse]:
     raise ValueError(f"response class must be one of {RESPONSE_CLASSES}, got {name!r}")
 
 
-def sse_response(body: Any, kind: str, *, request_id: str | None = None,
-                 on_close: Callable[[], None] | None = None,
-                 headers: Mapping[str, str] | None = None) -> ClosingStreamingResponse:
+def sse_response(
+    body: Any,
+    kind: str,
+    *,
+    request_id: str | None = None,
+    on_close: Callable[[], None] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> ClosingStreamingResponse:
     """A ``text/event-stream`` response of class ``kind`` with the headers every stream carries."""
     all_headers = dict(SSE_HEADERS)
     if request_id is not None:

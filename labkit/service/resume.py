@@ -22,13 +22,14 @@ period too, so a client that lost the last events can still fetch them.
 Because the pump always reads at once, slow-reader policies never see a resumable stream: its
 backlog lives in the log, bounded by the token budget and ``resume_log_events``.
 """
+
 from __future__ import annotations
 
 import asyncio
 import hmac
 import secrets
 from collections import deque
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response
@@ -85,8 +86,9 @@ class EventLog:
 
 
 class ResumeRegistry:
-    def __init__(self, hub: Hub, model_name: str, *, grace: float, capacity: int,
-                 keepalive: float, pad_bytes: int) -> None:
+    def __init__(
+        self, hub: Hub, model_name: str, *, grace: float, capacity: int, keepalive: float, pad_bytes: int
+    ) -> None:
         self.hub, self.model_name = hub, model_name
         self.grace, self.capacity = grace, capacity
         self.keepalive, self.pad_bytes = keepalive, pad_bytes
@@ -214,11 +216,14 @@ def parse_cursor(last_event_id: str | None, after: str | None) -> int:
 
 
 @router.get("/v1/streams/{request_id}/events", response_class=Response, responses=openapi.RESUME)
-async def resume_events(request: Request, request_id: str,
-                        last_event_id: str | None = Header(default=None),
-                        x_resume_token: str | None = Header(default=None),
-                        after: str | None = Query(default=None),
-                        token: str | None = Query(default=None)) -> Response:
+async def resume_events(
+    request: Request,
+    request_id: str,
+    last_event_id: str | None = Header(default=None),
+    x_resume_token: str | None = Header(default=None),
+    after: str | None = Query(default=None),
+    token: str | None = Query(default=None),
+) -> Response:
     service = request.app.state.service
     cursor = parse_cursor(last_event_id, after)
     log = service.resume.check_cursor(request_id, x_resume_token or token, cursor)

@@ -3,10 +3,12 @@
 Routes reach it as ``request.app.state.service``. Everything here runs on the event loop's
 thread; the engine is touched only through its thread-safe side (submit, cancel, stats).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from labkit.hub import Hub, Stream
 from labkit.service.metrics import Metrics
@@ -23,19 +25,40 @@ class Service:
         self.model_name: str = engine.model.name
         self.metrics = Metrics(self.stats)
         hub.observer = self.metrics
-        self.resume = ResumeRegistry(hub, self.model_name, grace=config.resume_grace,
-                                     capacity=config.resume_log_events, keepalive=config.keepalive_interval,
-                                     pad_bytes=config.pad_bytes)
+        self.resume = ResumeRegistry(
+            hub,
+            self.model_name,
+            grace=config.resume_grace,
+            capacity=config.resume_log_events,
+            keepalive=config.keepalive_interval,
+            pad_bytes=config.pad_bytes,
+        )
         self.floods: OrderedDict[str, Any] = OrderedDict()
 
     def encode(self, prompt: str) -> list[int]:
         return self.engine.encode(prompt) if prompt else []
 
-    def open(self, prompt_ids: Sequence[int], *, max_new_tokens: int, stop: str | Sequence[str] | None,
-             temperature: float, top_p: float, seed: int | None, ignore_eos: bool = False) -> Stream:
+    def open(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        stop: str | Sequence[str] | None,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        ignore_eos: bool = False,
+    ) -> Stream:
         """Refuse (raise) or submit: EmptyPrompt, PromptTooLong, InvalidRequest, QueueFull, Draining."""
-        return self.hub.open(list(prompt_ids), max_new_tokens=max_new_tokens, stop=stop or (),
-                             temperature=temperature, top_p=top_p, seed=seed, ignore_eos=ignore_eos)
+        return self.hub.open(
+            list(prompt_ids),
+            max_new_tokens=max_new_tokens,
+            stop=stop or (),
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            ignore_eos=ignore_eos,
+        )
 
     def remember_flood(self, flood_id: str, record: Any, keep: int = 256) -> None:
         self.floods[flood_id] = record

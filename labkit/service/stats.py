@@ -5,6 +5,7 @@ The engine reports a plain dict (``BatchEngine.stats()``); this is the one place
 read and renamed (``reserved_blocks`` is ``held_blocks`` here and ``labkit_kv_blocks_in_use``
 in Prometheus, the names the lab's notebooks and dashboards already use).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -41,8 +42,21 @@ def read_stats(model: str, engine: Any, hub: Hub, resumable_logs: int) -> Servic
     """Read the engine and the hub once (on the loop thread) and name what they say."""
     books, streams = engine.stats(), hub.stats()
     return ServiceStats(
-        model=model, open_streams=streams.open_streams, waiting=books["waiting"], running=books["running"],
-        paused=books["paused"], free_blocks=books["free_blocks"], held_blocks=books["reserved_blocks"],
-        total_blocks=books["total_blocks"], releases=books["releases"], late_events=streams.late_events,
-        finishes=books["finished"], stream_ends=streams.ends, errors=streams.errors, draining=streams.draining,
-        resumable_logs=resumable_logs, engine=books, hub=streams)
+        model=model,
+        open_streams=streams.open_streams,
+        waiting=books["waiting"],
+        running=books["running"],
+        paused=books["paused"],
+        free_blocks=books["free_blocks"],
+        held_blocks=books["reserved_blocks"],
+        total_blocks=books["total_blocks"],
+        releases=books["releases"],
+        late_events=streams.late_events,
+        finishes=books["finished"],
+        stream_ends=streams.ends,
+        errors=streams.errors,
+        draining=streams.draining,
+        resumable_logs=resumable_logs,
+        engine=books,
+        hub=streams,
+    )

@@ -5,6 +5,7 @@ plain JSON error with its own status; only then does a stream start. Both answer
 request id, text, usage and finish reason for the same request. What a body may hold, and how
 its prompt is tokenized off the event loop, is :mod:`labkit.service.intake`'s.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -65,8 +66,15 @@ def service_of(request: Request) -> Service:
 
 async def open_stream(service: Service, body: GenerateRequest) -> tuple[Stream, int]:
     ids = await prompt_ids(service.engine, body.prompt)
-    stream = service.open(ids, max_new_tokens=body.max_new_tokens, stop=body.stop,
-                          temperature=body.temperature, top_p=body.top_p, seed=body.seed, ignore_eos=body.ignore_eos)
+    stream = service.open(
+        ids,
+        max_new_tokens=body.max_new_tokens,
+        stop=body.stop,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        ignore_eos=body.ignore_eos,
+    )
     return stream, len(ids)
 
 
@@ -75,16 +83,24 @@ async def post_stream(body: StreamRequest, request: Request) -> Response:
     service = service_of(request)
     capacity = service.config.resume_log_events
     if body.resumable and body.max_new_tokens + 2 > capacity:
-        raise ServiceError(422, "invalid_request",
-                           f"a resumable stream of {body.max_new_tokens} tokens does not fit the {capacity}-event log")
+        raise ServiceError(
+            422,
+            "invalid_request",
+            f"a resumable stream of {body.max_new_tokens} tokens does not fit the {capacity}-event log",
+        )
     stream, prompt_tokens = await open_stream(service, body)
     kind = service.config.response_class
     if body.resumable:
         log = service.resume.start(stream, prompt_tokens)
-        return sse_response(service.resume.follow(log, 0), kind, request_id=stream.rid,
-                            headers={"X-Resume-Token": log.token})
-    return sse_response(stream_body(service, stream, prompt_tokens), kind, request_id=stream.rid,
-                        on_close=lambda: service.hub.close(stream))
+        return sse_response(
+            service.resume.follow(log, 0), kind, request_id=stream.rid, headers={"X-Resume-Token": log.token}
+        )
+    return sse_response(
+        stream_body(service, stream, prompt_tokens),
+        kind,
+        request_id=stream.rid,
+        on_close=lambda: service.hub.close(stream),
+    )
 
 
 async def stream_body(service: Service, stream: Stream, prompt_tokens: int) -> AsyncIterator[bytes]:
@@ -126,8 +142,11 @@ async def collect(stream: Stream) -> dict[str, Any]:
             return {"text": "".join(text), "token_ids": ids, "finish_reason": item.reason, "usage": usage}
         else:
             assert isinstance(item, (FinishEvent, StreamError))
-            kind, message = ("cancelled", "the request was cancelled") if isinstance(item, FinishEvent) \
+            kind, message = (
+                ("cancelled", "the request was cancelled")
+                if isinstance(item, FinishEvent)
                 else (item.type, item.message)
+            )
             raise ServiceError(_ERROR_STATUS.get(kind, 500), kind, public_message(kind, message))
 
 
