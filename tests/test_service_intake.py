@@ -135,3 +135,24 @@ def test_a_crowd_of_large_prompts_is_tokenized_a_few_at_a_time() -> None:
     results = asyncio.run(crowd())
     assert results == [[INLINE_CHARS + 1]] * (4 * MAX_TOKENIZING)
     assert peak[0] == MAX_TOKENIZING
+
+
+@pytest.mark.parametrize("prompt", [["ab"] * 170_000, [[1]] * 170_000, [None] * 150_000, [1] * 200_000, [["a"] * 150_000]],
+                         ids=["strings", "lists", "nulls", "too-many-ids", "nested-strings"])
+def test_a_long_bad_token_list_is_refused_with_one_error_not_one_per_item(prompt: list[Any]) -> None:
+    """A hostile client's 170,000-item prompt list made pydantic build 170,000 errors on the event
+    loop (seconds in which no stream got a byte); it must fail at the first bad item."""
+    import pydantic
+
+    from labkit.service.openai import CompletionRequest
+
+    with pytest.raises(pydantic.ValidationError) as refused:
+        CompletionRequest.model_validate({"prompt": prompt, "max_tokens": 2})
+    assert refused.value.error_count() <= 8
+
+
+def test_token_id_prompts_within_the_bound_still_validate() -> None:
+    from labkit.service.openai import CompletionRequest
+
+    assert CompletionRequest.model_validate({"prompt": [1, 2.0, 3]}).prompt == [1, 2, 3]
+    assert CompletionRequest.model_validate({"prompt": [[5, 6]]}).prompt == [[5, 6]]

@@ -75,6 +75,25 @@ NoFraction = BeforeValidator(_integer)
 Integer = Annotated[int, NoFraction]
 Count = Annotated[int, Field(ge=1), NoFraction]
 TokenId = Annotated[int, Field(ge=0), NoFraction]
+MAX_PROMPT_IDS = 1 << 17  # token ids in one prompt: more than any context the lab serves
+
+
+def _token_ids(value: Any) -> Any:
+    """Fail fast on a list of token ids: at its first bad item or at its length, with one error.
+    Left to itself pydantic would build one error per bad item on the event loop (a list of
+    170,000 strings took seconds, stalling every other stream)."""
+    if not isinstance(value, list):
+        return value
+    if len(value) > MAX_PROMPT_IDS:
+        raise PydanticCustomError("too_long", "at most {most} token ids", {"most": MAX_PROMPT_IDS})
+    for i, item in enumerate(value):
+        whole = isinstance(item, int) or (isinstance(item, float) and item.is_integer())
+        if isinstance(item, bool) or not whole or item < 0:
+            raise PydanticCustomError("token_id", "item {i} is not a token id (an integer >= 0)", {"i": i})
+    return value
+
+
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_IDS), BeforeValidator(_token_ids)]
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**64), NoFraction]  # what torch.Generator takes
 
 

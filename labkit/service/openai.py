@@ -41,7 +41,7 @@ from labkit.service.intake import (
     Seed,
     Stop,
     Text,
-    TokenId,
+    TokenIds,
     accepting,
     chat_ids,
     prompt_ids,
@@ -90,8 +90,8 @@ class CompletionRequest(_Sampling):
     prompt: (
         Prompt
         | Annotated[list[Prompt], Field(min_length=1, max_length=1)]
-        | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
     )
     max_tokens: Count | None = 16
     echo: Annotated[Literal[False] | None, accepting(False)] = False
