@@ -93,6 +93,25 @@ def test_a_stream_longer_than_the_log_cannot_be_resumable(tiny_gpt2: Any) -> Non
         assert response.status_code == 422 and response.json()["error"]["type"] == "invalid_request"
 
 
+def test_resumable_streams_are_bounded_in_number_and_a_finished_one_frees_its_place(tiny_gpt2: Any) -> None:
+    """A resumable run outlives its connection by resume_grace: clients that open one and hang up
+    at once must not be able to fill the batch and the queue for everyone else."""
+    with lab_server(tiny_gpt2, max_resumable=2, resume_grace=0.2) as server:
+        first = [RawClient(server.url).post("/v1/stream", {**BODY, "max_new_tokens": 300}) for _ in range(2)]
+        for client in first:
+            client.read_events(2)
+            client.close_fin()
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+            refused = http.post("/v1/stream", json={**BODY, "max_new_tokens": 4})
+            assert refused.status_code == 429 and refused.json()["error"]["type"] == "queue_full"
+            assert refused.headers["Retry-After"] == "1"
+            plain = http.post("/v1/stream", json={**BODY, "resumable": False, "max_new_tokens": 4})
+            assert plain.status_code == 200, "only resumable streams count against the bound"
+            wait_until(lambda: len(server.service.resume) == 0, what="the abandoned runs to expire")
+            again = http.post("/v1/stream", json={**BODY, "max_new_tokens": 4})
+            assert again.status_code == 200
+
+
 # -- only the creator can resume -------------------------------------------------------------------
 def refusal(client: httpx.Client, rid: str, headers: dict[str, str], params: dict[str, str]) -> dict[str, Any]:
     response = client.get(f"/v1/streams/{rid}/events", headers=headers, params=params)

@@ -97,6 +97,9 @@ class ServiceConfig:
     drain_grace: float = setting(5.0, "seconds shutdown may take: open streams end, then the process exits")
     resume_grace: float = setting(10.0, "seconds a resumable run survives without a connected client")
     resume_log_events: int = setting(4096, "events kept per resumable stream")
+    max_resumable: int = setting(
+        64, "resumable streams alive at once, with or without a client; more get 429 (each runs for resume_grace unread)"
+    )
     retry_after_s: int = setting(1, "Retry-After on every 429 and 503")
     default_max_tokens: int = setting(256, "chat completions that name no limit")
 
@@ -106,7 +109,7 @@ class ServiceConfig:
         _check(self, "response_class", lambda v: v in RESPONSE_CLASSES, f"one of {RESPONSE_CLASSES}")
         for name in ("keepalive_interval", "drain_grace", "resume_grace"):
             _check(self, name, _positive_number, "a number > 0")
-        for name in ("resume_log_events", "retry_after_s", "default_max_tokens"):
+        for name in ("resume_log_events", "max_resumable", "retry_after_s", "default_max_tokens"):
             _check(self, name, lambda v: _is_int(v) and v >= 1, "an int >= 1")
         _check(self, "pad_bytes", lambda v: _is_int(v) and 0 <= v <= 64 * 2**20, "an int in [0, 64 MiB]")
 
