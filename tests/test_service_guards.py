@@ -23,6 +23,12 @@ def test_host_name_drops_the_port_and_case(value: str, name: str) -> None:
     assert host_name(value) == name
 
 
+@pytest.mark.parametrize("value", ["localhost:evil.com", "[::1]x", "localhost:", "[::1]:", "localhost@evil.com"])
+def test_a_host_that_is_not_a_name_and_a_port_is_not_read_as_one(value: str) -> None:
+    """A hostile review sent these and got 200: the parser kept '[::1]' or 'localhost' and dropped the rest."""
+    assert host_name(value) not in ("localhost", "[::1]", "127.0.0.1")
+
+
 def test_only_loopback_names_are_served_by_default(tiny_gpt2: Any) -> None:
     """A DNS-rebinding page reaches 127.0.0.1 under its own name, and the browser sends that name."""
     with lab_server(tiny_gpt2) as server:

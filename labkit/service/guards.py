@@ -11,18 +11,24 @@ handler made it, so a client always learns when to come back.
 
 from __future__ import annotations
 
+import re
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from labkit.service.errors import error_response
 
+_HOST = re.compile(r"(\[[0-9a-f:.]*\]|[^:\[\]]*)(?::(\d+))?")  # name, or [v6], then :port
+
 
 def host_name(value: str) -> str:
-    """``Host`` without its port, lower case: ``[::1]:8000`` → ``[::1]``, ``Example:80`` → ``example``."""
+    """``Host`` without its port, lower case: ``[::1]:8000`` → ``[::1]``, ``Example:80`` → ``example``.
+
+    Anything that is not ``name``, ``[address]`` or either with ``:port`` (digits) comes back
+    whole, so it matches no allowed name: ``localhost:evil.com`` and ``[::1]x`` are refused.
+    """
     value = value.strip().lower()
-    if value.startswith("["):
-        end = value.find("]")
-        return value[: end + 1] if end > 0 else value
-    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+    match = _HOST.fullmatch(value)
+    return match.group(1) if match else value
 
 
 class HostGuard:
