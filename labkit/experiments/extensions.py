@@ -204,9 +204,10 @@ async def resume_trial(
 ) -> dict[str, Any]:
     first = await read_stream(srv.url, {**body, "resumable": True}, leave_after_tokens=leave_after, leave_by="rst")
     last = int(first.last_event_id or 0)
+    start = next((e.data for e in first.events if e.event == "start"), {})
     await asyncio.sleep(wait)
     sent = time.perf_counter()
-    status, later = await follow(client, first.request_id or "", last)
+    status, later = await follow(client, first.request_id or "", start.get("resume_token", ""), last)
     ids = [int(e.id) for e in later if e.id]
     tokens = [e.data["id"] for e in first.tokens] + [e.data["id"] for e in later if e.event == "token"]
     record = (await wait_released(srv.hub, [first.request_id]))[0]
@@ -225,10 +226,11 @@ async def resume_trial(
     }
 
 
-async def follow(client: httpx.AsyncClient, rid: str, last: int) -> tuple[int, list[Any]]:
-    """GET the stream's events after ``last`` with Last-Event-ID; the status and what came."""
+async def follow(client: httpx.AsyncClient, rid: str, token: str, last: int) -> tuple[int, list[Any]]:
+    """GET the stream's events after ``last`` with Last-Event-ID and the resume token that only
+    the stream's creator was given; the status and what came."""
     splitter, events = EventSplitter(), []
-    headers = {"Last-Event-ID": str(last)}
+    headers = {"Last-Event-ID": str(last), "X-Resume-Token": token}
     async with client.stream("GET", f"/v1/streams/{rid}/events", headers=headers) as response:
         if response.status_code == 200:
             async for chunk in response.aiter_raw():

@@ -98,7 +98,8 @@ class ServiceConfig:
     resume_grace: float = setting(10.0, "seconds a resumable run survives without a connected client")
     resume_log_events: int = setting(4096, "events kept per resumable stream")
     max_resumable: int = setting(
-        64, "resumable streams alive at once, with or without a client; more get 429 (each runs for resume_grace unread)"
+        64,
+        "resumable streams alive at once, with or without a client; more get 429 (each runs for resume_grace unread)",
     )
     retry_after_s: int = setting(1, "Retry-After on every 429 and 503")
     default_max_tokens: int = setting(256, "chat completions that name no limit")
