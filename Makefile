@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 # regenerating its outputs, data/ and figures/; each notebook's duration is printed at the
 # end and kept in data/durations.csv.
 lab: system-deps $(STAMP)
-	$(PY) -m labkit.lab --profile full
+	$(PY) -m labkit.rerun --profile full
 
 # The whole suite: unit and service tests, then every notebook under nbval with the small ci
 # profile, chosen from outside (the kernels inherit LABKIT_PROFILE; the notebooks' parameters

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from labkit.models.hub import load_pretrained
+from labkit.models.hf_cache import load_pretrained
 from labkit.models.loaded import LoadedModel
 from labkit.models.smollm2 import load_smollm2
 from labkit.models.tiny import tiny_gpt2, tiny_llama

@@ -1,11 +1,11 @@
-"""``make lab`` (labkit.lab): notebooks run in place, a failure keeps what ran, durations are reported."""
+"""``make lab`` (labkit.rerun): notebooks run in place, a failure keeps what ran, durations are reported."""
 from __future__ import annotations
 
 import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from labkit.lab import closing_note, run_notebook
+from labkit.rerun import closing_note, run_notebook
 
 
 def test_the_closing_note_lists_each_notebook_and_the_total():
