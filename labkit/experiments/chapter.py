@@ -13,9 +13,23 @@ from typing import Any
 
 import pandas as pd
 
-__all__ = ["CHAPTER_SETUP", "wire_beside", "isolation_beside", "overlap_beside", "buffers_beside"]
+__all__ = ["CHAPTER_SETUP", "beside", "span", "wire_beside", "isolation_beside", "overlap_beside", "buffers_beside"]
 
 CHAPTER_SETUP = "GPT-2 small, float32, RTX 2060 (shared), Windows, loopback"
+
+
+def beside(rows: list[tuple[str, str, str, str]]) -> pd.DataFrame:
+    """The chapter's figure beside ours, one quantity a row (the columns of ``chapter.py``'s tables)."""
+    return pd.DataFrame(rows, columns=["quantity", "chapter (GPU)", "this run", "unit"])
+
+
+def span(values: Any, fmt: str = "{:.2f}") -> str:
+    """``low–high`` of the values (one number when they agree; ``n/a`` when there are none)."""
+    values = pd.Series(values, dtype=float).dropna()
+    if values.empty:
+        return "n/a"
+    low, high = fmt.format(values.min()), fmt.format(values.max())
+    return low if low == high else f"{low}–{high}"
 
 
 def _table(rows: list[tuple[str, str, Any, str]]) -> pd.DataFrame:
