@@ -53,7 +53,7 @@ def new_figure(name: str, ncols: int = 1, width: float | None = None) -> tuple[F
 def savefig(fig: Figure, name: str | None = None, folder: Path | None = None) -> Path:
     """Write ``fig`` as ``<folder>/<name>.png`` (folder: the current profile's ``figures/``)."""
     if folder is None:
-        from labkit.experiments.common import get_profile
+        from labkit.experiments.profiles import get_profile
 
         folder = get_profile().figures_dir
     stem = name or fig.get_label()

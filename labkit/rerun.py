@@ -60,8 +60,9 @@ def closing_note(seconds: dict[str, float], profile: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from labkit.experiments.common import _git_commit, get_profile
     from labkit.experiments.durations import record_durations
+    from labkit.experiments.profiles import get_profile
+    from labkit.experiments.results import _git_commit
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--profile", default=os.environ.get("LABKIT_PROFILE", "full"), choices=["ci", "full"])

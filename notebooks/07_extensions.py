@@ -38,7 +38,7 @@ model_name = ""  # "" runs the profile's model
 # NBVAL_IGNORE_OUTPUT
 import labkit
 from labkit.experiments import extensions
-from labkit.experiments.common import save_run
+from labkit.experiments.results import save_run
 from labkit.experiments.notebook import settings_table, setup_notebook
 from labkit.experiments.progress import measuring
 

@@ -4,28 +4,12 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from prompt_lists import ENGINE_PROMPTS
 from labkit.engine.config import EngineConfig
 from labkit.engine.engine import BatchEngine
 from labkit.engine.events import Event, FinishEvent, TokenEvent
 
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village,",
-    "def fibonacci(n):",
-    "The quick brown fox",
-    "In 1969, the first humans",
-    "Streaming responses over HTTP",
-    "A paged KV cache stores",
-    "Why is the sky blue? Because",
-    "List three prime numbers:",
-    "The meaning of life is",
-    "Server-sent events are",
-    "import numpy as np\n",
-    "Dear Sir or Madam,",
-    "Continuous batching lets",
-    "Water boils at",
-    "She opened the door and",
-]
+PROMPTS = ENGINE_PROMPTS  # handed on under the name the tests use
 
 
 class CheckedEngine(BatchEngine):

@@ -10,21 +10,11 @@ from collections.abc import Sequence
 
 import torch
 
+from prompt_lists import RUNNER_PROMPTS
 from labkit.engine.runner import ModelRunner
 from labkit.models import LoadedModel
 
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village by the sea,",
-    "def fibonacci(n):",
-    "Water boils at",
-    "My favourite colour is",
-    "1, 2, 3, 4,",
-    "The quick brown fox jumps over the lazy dog.",
-    "In 1492, Columbus sailed",
-    "A",
-    "Streaming tokens over HTTP needs a framing such as server-sent events, because",
-]
+PROMPTS = RUNNER_PROMPTS  # handed on under the name the tests use
 
 
 def shuffled_tables(num_seqs: int, blocks_each: int, num_blocks: int, seed: int = 0) -> list[list[int]]:

@@ -22,6 +22,7 @@ import h11
 import httpx
 import httpx_sse
 
+from prompt_lists import SERVICE_PROMPTS
 from labkit.engine.events import FinishEvent, TokenEvent, Usage
 from labkit.hub import Hub, HubConfig
 from labkit.hub.stream import Item, Stream
@@ -29,9 +30,8 @@ from labkit.schema import decode_event
 from labkit.server import RunningServer, serve_in_thread
 from labkit.sse import SSEParser
 
+PROMPTS = SERVICE_PROMPTS  # handed on under the name the tests use
 TIMEOUT = 30.0  # generous liveness bound; no test asserts speed
-PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):", "The quick brown fox",
-           "Streaming responses over HTTP", "A paged KV cache stores", "Water boils at", "Dear Sir or Madam,"]
 Event = tuple[str, dict[str, Any], str]  # (type, payload, id)
 
 

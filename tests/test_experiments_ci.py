@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 
 from labkit.experiments import isolation, load, names
-from labkit.experiments.common import Profile
+from labkit.experiments.profiles import Profile
 
 matplotlib.use("Agg")
 slow = pytest.mark.slow

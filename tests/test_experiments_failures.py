@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from labkit.experiments import disconnect, leak, names, slowclient
-from labkit.experiments.harness import long_prompts
+from labkit.experiments.workload import long_prompts
 
 
 

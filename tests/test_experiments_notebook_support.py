@@ -6,7 +6,8 @@ import pandas as pd
 import pytest
 
 from labkit.experiments import buffers, extensions
-from labkit.experiments.common import Profile, get_profile, partial_dir
+from labkit.experiments.profiles import Profile, get_profile
+from labkit.experiments.results import partial_dir
 from labkit.experiments.durations import TOTAL, expected_duration, read_durations, record_durations
 from labkit.experiments.notebook import SWITCH, profile_table, settings_table, setup_notebook
 from labkit.experiments.progress import RunProgress, measuring
@@ -70,7 +71,7 @@ def test_recorded_durations_replace_old_rows_and_keep_a_total(out):
 
 
 def test_each_committed_notebook_has_a_measured_full_duration():
-    from labkit.experiments.common import repo_root
+    from labkit.experiments.profiles import repo_root
 
     table = pd.read_csv(repo_root() / "data" / "durations.csv")
     full = table[table.profile == "full"].set_index("notebook").seconds

@@ -8,14 +8,12 @@ import httpx_sse
 import openai
 import pytest
 
-from service_helpers import TIMEOUT, lab_server
+from service_helpers import TIMEOUT
 
 
-@pytest.fixture(scope="module", params=["tiny-gpt2", "tiny-llama"])
-def server(request: Any, tiny_gpt2: Any, tiny_llama: Any) -> Iterator[Any]:
-    model = tiny_gpt2 if request.param == "tiny-gpt2" else tiny_llama
-    with lab_server(model) as running:
-        yield running
+@pytest.fixture(scope="module")
+def server_model(tiny_model: Any) -> Any:
+    return tiny_model  # both tiny models, one server each
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ whatever it is asked to.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -16,7 +15,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode, checks
-from service_helpers import TIMEOUT, lab_server
+from service_helpers import TIMEOUT
 
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
           checks.response_schema_conformance]
@@ -26,21 +25,20 @@ WITHOUT_INPUT = ["GET /v1/models", "GET /stats", "GET /healthz", "GET /metrics"]
 
 
 @pytest.fixture(scope="module")
-def fuzzed(tiny_gpt2: Any) -> Iterator[Any]:
+def server_settings() -> dict[str, Any]:
     # A 128-token cache and 16 tokens for a chat that names no limit: any request that fits is
     # short, so the fuzz stays fast; one that does not is a documented 422.
-    with lab_server(tiny_gpt2, block_size=16, num_blocks=8, max_batch=2, default_max_tokens=16) as server:
-        yield server
+    return {"block_size": 16, "num_blocks": 8, "max_batch": 2, "default_max_tokens": 16}
 
 
 @pytest.fixture(scope="module")
-def api_schema(fuzzed: Any) -> Any:
-    return schemathesis.openapi.from_url(fuzzed.url + "/openapi.json")
+def api_schema(server: Any) -> Any:
+    return schemathesis.openapi.from_url(server.url + "/openapi.json")
 
 
 @pytest.fixture(scope="module")
-def spec(fuzzed: Any) -> dict[str, Any]:
-    return httpx.get(fuzzed.url + "/openapi.json", timeout=TIMEOUT).json()
+def spec(server: Any) -> dict[str, Any]:
+    return httpx.get(server.url + "/openapi.json", timeout=TIMEOUT).json()
 
 
 def test_every_operation_but_the_lab_routes_is_fuzzed(api_schema: Any) -> None:

@@ -36,12 +36,6 @@ def chat_body(fields: dict[str, Any]) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **fields}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_gpt2: Any):
-    with lab_server(tiny_gpt2) as running:
-        yield running
-
-
 def assert_envelope(response: Any, status: int, kind: str) -> None:
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/json"

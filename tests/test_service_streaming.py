@@ -14,9 +14,8 @@ from service_helpers import (PROMPTS, TIMEOUT, RawClient, decode_event_sse, lab_
 
 
 @pytest.fixture(scope="module")
-def server(tiny_gpt2: Any):
-    with lab_server(tiny_gpt2, max_batch=8) as running:
-        yield running
+def server_settings() -> dict[str, Any]:
+    return {"max_batch": 8}
 
 
 def generate(client: httpx.Client, **body: Any) -> dict[str, Any]:

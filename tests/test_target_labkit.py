@@ -6,7 +6,7 @@ import pytest
 from target_helpers import labkit_serve_process
 
 from labkit.cli import main
-from labkit.experiments.common import Profile
+from labkit.experiments.profiles import Profile
 from labkit.experiments.target import TargetError
 from labkit.experiments.target_cli import measure_target
 from labkit.experiments.target_probe import connect

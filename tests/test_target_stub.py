@@ -19,7 +19,7 @@ from target_helpers import (
 )
 
 from labkit.cli import main
-from labkit.experiments.common import Profile
+from labkit.experiments.profiles import Profile
 from labkit.experiments.target import Target, TargetError
 from labkit.experiments.target_cli import measure_target
 from labkit.experiments.target_probe import connect, quirks_table

@@ -7,13 +7,13 @@ drive all of them the same way:
     The experiment's name (``labkit run NAME``; ``data/NAME/``; figure names start with it).
 ``Config``
     A frozen dataclass with a ``model`` field and ``Config.for_profile(profile) -> Config``
-    (``profile`` is a :class:`labkit.experiments.common.Profile`; its ``model`` is the default).
+    (``profile`` is a :class:`labkit.experiments.profiles.Profile`; its ``model`` is the default).
 ``server_options(config) -> dict``
     Keyword arguments for ``labkit.serve_in_thread`` (model, policy, engine and hub settings),
     so a notebook can start the server itself and pass it to ``run``.
 ``run(config, *, server=None, progress=None) -> dict[str, pandas.DataFrame]``
     Runs the measurement and returns named tables. Without ``server`` it starts its own with
-    :func:`labkit.experiments.common.serving` and stops it; ``progress`` gets ``update(n)`` calls.
+    :func:`labkit.experiments.servers.serving` and stops it; ``progress`` gets ``update(n)`` calls.
 ``plot(tables) -> list[matplotlib.figure.Figure]``
     Each figure labelled with its file name (``fig.set_label``), which ``labkit.plots.savefig`` uses.
 

@@ -28,8 +28,10 @@ from typing import Any
 import pandas as pd
 
 from labkit.experiments.client import async_client, run_sync
-from labkit.experiments.common import Profile, Progress, doing, serving, tick
+from labkit.experiments.profiles import Profile
+from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.rawhttp import RawConnection
+from labkit.experiments.servers import serving
 
 NAME = "buffers"
 

@@ -13,13 +13,23 @@ from typing import Any
 
 import pandas as pd
 
-__all__ = ["CHAPTER_SETUP", "wire_beside", "isolation_beside", "overlap_beside", "buffers_beside"]
+__all__ = ["CHAPTER_SETUP", "beside", "span", "wire_beside", "isolation_beside", "overlap_beside", "buffers_beside"]
 
 CHAPTER_SETUP = "GPT-2 small, float32, RTX 2060 (shared), Windows, loopback"
 
 
-def _table(rows: list[tuple[str, str, Any, str]]) -> pd.DataFrame:
+def beside(rows: list[tuple[str, str, Any, str]]) -> pd.DataFrame:
+    """The chapter's figure beside ours, one quantity a row: the table every ``*_beside`` returns."""
     return pd.DataFrame(rows, columns=["quantity", "chapter (GPU)", "this run", "unit"])
+
+
+def span(values: Any, fmt: str = "{:.2f}") -> str:
+    """``low–high`` of the values (one number when they agree; ``n/a`` when there are none)."""
+    values = pd.Series(values, dtype=float).dropna()
+    if values.empty:
+        return "n/a"
+    low, high = fmt.format(values.min()), fmt.format(values.max())
+    return low if low == high else f"{low}–{high}"
 
 
 def _range(values: Any, fmt: str = "{:.0f}") -> str:
@@ -35,7 +45,7 @@ def wire_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     passed = int((checks.passed[:-1] == checks.streams[:-1]).all())
     full = streams[streams.finish_reason == "length"]
     n = int(full.tokens.max()) if not full.empty else 0
-    return _table(
+    return beside(
         [
             (
                 "streams passing every check",
@@ -59,7 +69,7 @@ def wire_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
 
 def isolation_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     streams = tables["streams"]
-    return _table(
+    return beside(
         [
             (
                 "concurrent streams identical to their solo run",
@@ -128,7 +138,7 @@ def overlap_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
                 "ms",
             )
         )
-    return _table(rows)
+    return beside(rows)
 
 
 def buffers_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
@@ -145,4 +155,4 @@ def buffers_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
                 "bytes",
             )
         )
-    return _table(rows)
+    return beside(rows)

@@ -14,8 +14,9 @@ from typing import Any
 import pandas as pd
 
 from labkit.experiments import EXPERIMENTS, load, names
-from labkit.experiments.common import PROFILES, Profile, get_profile, save_run
+from labkit.experiments.profiles import PROFILES, Profile, get_profile
 from labkit.experiments.progress import measuring
+from labkit.experiments.results import save_run
 
 __all__ = ["add_run_arguments", "run_from_args", "run_experiment", "Outcome"]
 

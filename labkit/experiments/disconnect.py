@@ -24,21 +24,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from labkit.experiments.chapter import beside, span
 from labkit.experiments.client import run_sync
-from labkit.experiments.common import Profile, Progress, doing, tick
-from labkit.experiments.harness import (
-    beside,
-    bodies,
-    loaded_model,
-    long_prompts,
-    read_stream,
-    server_checks,
-    server_like,
-    span,
-    wait_released,
-)
+from labkit.experiments.profiles import Profile
+from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.rawhttp import raw_stream
+from labkit.experiments.rawreader import read_stream
 from labkit.experiments.records import LeaveBy, StreamResult
+from labkit.experiments.servers import loaded_model, server_checks, server_like, wait_released
+from labkit.experiments.workload import bodies, long_prompts
 
 NAME = "disconnect"
 MOMENTS = ("waiting", "before_first", "early", "mid", "near_end")

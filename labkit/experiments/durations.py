@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from labkit.experiments.common import Profile
+from labkit.experiments.profiles import Profile
 
 __all__ = ["COLUMNS", "TOTAL", "durations_path", "read_durations", "record_durations", "expected_duration"]
 

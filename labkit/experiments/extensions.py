@@ -26,24 +26,16 @@ import numpy as np
 import pandas as pd
 
 from labkit.experiments import overlap, slowclient
+from labkit.experiments.chapter import beside, span
 from labkit.experiments.client import async_client, run_sync
-from labkit.experiments.common import Profile, Progress, doing, tick
-from labkit.experiments.harness import (
-    Leave,
-    Sampler,
-    beside,
-    bodies,
-    loaded_model,
-    long_prompts,
-    read_stream,
-    server_like,
-    span,
-    stream_body,
-    wait_released,
-)
 from labkit.experiments.identity import generate, identity_table, measure_identity
+from labkit.experiments.profiles import Profile
+from labkit.experiments.progress import Progress, doing, tick
+from labkit.experiments.rawreader import Leave, read_stream
 from labkit.experiments.records import EventSplitter, StreamResult
 from labkit.experiments.saturation import measure_saturation
+from labkit.experiments.servers import Sampler, loaded_model, server_like, wait_released
+from labkit.experiments.workload import bodies, long_prompts, stream_body
 from labkit.prompts import PROMPTS
 
 NAME = "extensions"

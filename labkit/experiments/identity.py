@@ -17,9 +17,10 @@ import numpy as np
 import pandas as pd
 
 from labkit.experiments.client import async_client, run_sync
-from labkit.experiments.common import Progress, doing, tick
-from labkit.experiments.harness import server_like, stream_body
 from labkit.experiments.isolation import first_difference, reference_logits
+from labkit.experiments.progress import Progress, doing, tick
+from labkit.experiments.servers import server_like
+from labkit.experiments.workload import stream_body
 from labkit.prompts import PROMPTS
 
 __all__ = ["measure_identity", "generate", "compare", "add_margins", "identity_table"]

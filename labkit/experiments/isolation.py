@@ -18,7 +18,9 @@ from typing import Any
 import pandas as pd
 
 from labkit.experiments.client import launch_in_turn, launch_streams, run_sync
-from labkit.experiments.common import Profile, Progress, doing, serving, tick
+from labkit.experiments.profiles import Profile
+from labkit.experiments.progress import Progress, doing, tick
+from labkit.experiments.servers import serving
 from labkit.prompts import PROMPTS
 
 NAME = "isolation"

@@ -19,20 +19,15 @@ from typing import Any
 
 import pandas as pd
 
+from labkit.experiments.chapter import beside
 from labkit.experiments.client import run_sync
-from labkit.experiments.common import Profile, Progress, doing, tick
 from labkit.experiments.disconnect import CLASSES, books, release_books
-from labkit.experiments.harness import (
-    beside,
-    loaded_model,
-    long_prompts,
-    read_stream,
-    server_checks,
-    server_like,
-    stream_body,
-    wait_released,
-)
+from labkit.experiments.profiles import Profile
+from labkit.experiments.progress import Progress, doing, tick
+from labkit.experiments.rawreader import read_stream
 from labkit.experiments.records import LeaveBy, StreamResult
+from labkit.experiments.servers import loaded_model, server_checks, server_like, wait_released
+from labkit.experiments.workload import long_prompts, stream_body
 
 NAME = "leak"
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import pandas as pd
 
-from labkit.experiments.common import Profile, get_profile, repo_root
 from labkit.experiments.durations import expected_duration
+from labkit.experiments.profiles import Profile, get_profile, repo_root
 
 __all__ = ["setup_notebook", "profile_table", "settings_table", "SWITCH"]
 

@@ -35,7 +35,9 @@ from labkit.experiments.client import (
     run_sync,
     timed_stream,
 )
-from labkit.experiments.common import Profile, Progress, doing, serving, tick
+from labkit.experiments.profiles import Profile
+from labkit.experiments.progress import Progress, doing, tick
+from labkit.experiments.servers import serving
 from labkit.prompts import PROMPTS
 
 NAME = "overlap"

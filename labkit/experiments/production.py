@@ -39,10 +39,12 @@ import numpy as np
 import pandas as pd
 
 from labkit.experiments.client import async_client, run_sync, timed_stream
-from labkit.experiments.common import Profile, Progress, doing, serving, tick
-from labkit.experiments.harness import loaded_model, server_like, stream_body
+from labkit.experiments.profiles import Profile
+from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.proxy import Route, running_nginx
 from labkit.experiments.records import EventSplitter, StreamResult
+from labkit.experiments.servers import loaded_model, server_like, serving
+from labkit.experiments.workload import stream_body
 
 NAME = "production"
 

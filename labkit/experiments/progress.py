@@ -14,13 +14,38 @@ import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pandas as pd
 
-from labkit.experiments.common import Profile, partial_dir
+from labkit.experiments.profiles import Profile
+from labkit.experiments.results import partial_dir
 
-__all__ = ["RunProgress", "measuring"]
+__all__ = ["Progress", "doing", "tick", "RunProgress", "measuring"]
+
+
+class Progress(Protocol):
+    """What an experiment reports progress to: a tqdm bar, a :class:`~labkit.experiments.progress.RunProgress`
+    (which also keeps the rows measured so far), or nothing."""
+
+    def update(self, n: int = 1) -> Any: ...
+
+
+def doing(progress: Progress | None, what: str) -> None:
+    """Name the unit of work about to start (condition, repetition) on ``progress``'s bar."""
+    if progress is not None and hasattr(progress, "set_postfix_str"):
+        progress.set_postfix_str(what)
+
+
+def tick(progress: Progress | None, n: int = 1, **measured: Any) -> None:
+    """Advance ``progress`` after a unit of work; ``measured`` (table name -> rows so far, a list of
+    dicts or a DataFrame) is kept on disk by a progress that can, so a later crash loses no more
+    than the unit in flight."""
+    if progress is None:
+        return
+    if measured and hasattr(progress, "keep"):
+        progress.keep(**measured)  # on disk first: an interrupt may come at any moment after
+    progress.update(n)
 
 
 class RunProgress:

@@ -19,8 +19,9 @@ import numpy as np
 import pandas as pd
 
 from labkit.experiments.client import percentiles, run_sync
-from labkit.experiments.harness import bodies, launch_readers, wait_released
 from labkit.experiments.records import StreamResult
+from labkit.experiments.servers import launch_readers, wait_released
+from labkit.experiments.workload import bodies
 
 __all__ = ["Saturation", "measure_saturation", "saturation_row", "plot_timeline"]
 

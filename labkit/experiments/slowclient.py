@@ -26,21 +26,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from labkit.experiments.chapter import beside, span
 from labkit.experiments.client import percentiles, run_sync
-from labkit.experiments.common import Profile, Progress, doing, tick
-from labkit.experiments.harness import (
-    beside,
-    bodies,
-    launch_readers,
-    loaded_model,
-    long_prompts,
-    server_checks,
-    server_like,
-    span,
-    wait_released,
-)
+from labkit.experiments.profiles import Profile
+from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.records import StreamResult
 from labkit.experiments.saturation import Saturation, measure_saturation, plot_timeline
+from labkit.experiments.servers import launch_readers, loaded_model, server_checks, server_like, wait_released
+from labkit.experiments.workload import bodies, long_prompts
 from labkit.hub import POLICIES
 from labkit.prompts import PROMPTS
 

@@ -17,14 +17,9 @@ from typing import Any
 
 import pandas as pd
 
-from labkit.experiments.common import (
-    Profile,
-    get_profile,
-    partial_dir,
-    write_results,
-    write_tables,
-)
+from labkit.experiments.profiles import Profile, get_profile
 from labkit.experiments.progress import measuring
+from labkit.experiments.results import partial_dir, write_results, write_tables
 from labkit.experiments.target import Target, TargetError
 from labkit.experiments.target_probe import connect, quirks_table
 from labkit.experiments.target_runs import RUNS

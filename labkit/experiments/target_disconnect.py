@@ -32,7 +32,8 @@ from labkit.experiments.client import (
     run_sync,
     timed_stream,
 )
-from labkit.experiments.common import Profile, Progress, doing, tick
+from labkit.experiments.profiles import Profile
+from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.records import LeaveBy
 from labkit.experiments.target import Target, read
 from labkit.experiments.target_probe import cpu_seconds

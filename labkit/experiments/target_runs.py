@@ -26,7 +26,8 @@ import httpx
 import pandas as pd
 
 from labkit.experiments.client import percentiles, run_sync, timed_stream
-from labkit.experiments.common import Profile, Progress, doing, tick
+from labkit.experiments.profiles import Profile
+from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.target import Reading, Target, read
 from labkit.experiments.target_disconnect import DisconnectConfig, run_disconnect
 from labkit.prompts import PROMPTS

@@ -16,7 +16,9 @@ from typing import Any
 import pandas as pd
 
 from labkit.experiments.client import StreamResult, async_client, run_sync, timed_stream
-from labkit.experiments.common import Profile, Progress, doing, serving, tick
+from labkit.experiments.profiles import Profile
+from labkit.experiments.progress import Progress, doing, tick
+from labkit.experiments.servers import serving
 from labkit.prompts import PROMPTS
 
 NAME = "wire"

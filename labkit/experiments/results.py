@@ -1,52 +1,29 @@
-"""What every experiment shares: profiles, where results go, and what a results file records.
+"""What a results file records, and writing one run's tables, figures and ``results.json``.
 
-Two profiles. ``ci`` runs the tiny random GPT-2 with few repetitions, so the whole set finishes
-in a few minutes and tests can run it on every change. ``full`` runs the embedded SmolLM2-135M
-at the chapter's sizes; its outputs are what the notebooks are committed with. ``LABKIT_PROFILE``
-picks the profile wherever no one passes one; where it is unset, the notebooks run ``full`` (a
-reader opening one wants the real model) and ``labkit run`` runs ``ci`` (a quick look from the
-shell; ``--profile full`` for the real thing). Either way the chosen profile is printed first.
-
-Where results go: a ``full`` run writes ``data/<experiment>/*.csv``, ``data/<experiment>/
-results.json`` and ``figures/*.png`` at the repository root. A ``ci`` run writes the same tree
-under ``build/ci/`` (git-ignored), so a test run never overwrites the committed full results.
-``LABKIT_OUT`` moves the root for either.
+The environment (versions, CPU, threads, model, profile, date, commit) goes into every
+``results.json``, so a reader can judge a number without asking where it came from. A run in
+progress keeps its finished conditions under :func:`partial_dir`; :func:`save_run` replaces them
+with the whole run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import os
 import platform
 import subprocess
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, is_dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import pandas as pd
 
-__all__ = [
-    "PROFILES",
-    "Profile",
-    "get_profile",
-    "repo_root",
-    "environment",
-    "write_tables",
-    "write_results",
-    "serving",
-    "Progress",
-    "tick",
-    "doing",
-    "save_run",
-    "partial_dir",
-]
+from labkit.experiments.profiles import Profile, repo_root
 
-PROFILES = ("ci", "full")
-_DEFAULT_MODEL = {"ci": "tiny-gpt2", "full": "smollm2-135m"}
+__all__ = ["environment", "write_tables", "write_results", "save_run", "partial_dir"]
+
 _PACKAGES = (
     "labkit",
     "torch",
@@ -59,54 +36,6 @@ _PACKAGES = (
     "pandas",
     "matplotlib",
 )
-
-
-@dataclass(frozen=True)
-class Profile:
-    """A profile's name and the model it serves; experiments size themselves from ``full``."""
-
-    name: str = "ci"
-    model: str = ""
-
-    def __post_init__(self) -> None:
-        if self.name not in PROFILES:
-            raise ValueError(f"Profile.name must be one of {PROFILES}, got {self.name!r}")
-        if not self.model:
-            object.__setattr__(self, "model", _DEFAULT_MODEL[self.name])
-
-    @property
-    def full(self) -> bool:
-        return self.name == "full"
-
-    @property
-    def out_root(self) -> Path:
-        override = os.environ.get("LABKIT_OUT")
-        if override:
-            return Path(override)
-        return repo_root() if self.full else repo_root() / "build" / "ci"
-
-    @property
-    def data_dir(self) -> Path:
-        return self.out_root / "data"
-
-    @property
-    def figures_dir(self) -> Path:
-        return self.out_root / "figures"
-
-
-def get_profile(name: str | None = None, model: str | None = None, default: str = "ci") -> Profile:
-    """``name`` or else ``LABKIT_PROFILE`` or else ``default``; ``model`` overrides the profile's model."""
-    chosen = name or os.environ.get("LABKIT_PROFILE") or default
-    return Profile(chosen, model or "")
-
-
-def repo_root() -> Path:
-    """The checkout holding this package (its ``pyproject.toml``), else the working directory."""
-    here = Path(__file__).resolve().parents[2]
-    return here if (here / "pyproject.toml").exists() else Path.cwd()
-
-
-# --------------------------------------------------------------------------- environment
 
 
 def environment(profile: Profile) -> dict[str, Any]:
@@ -159,9 +88,6 @@ def _git_commit() -> str | None:
     if out.returncode != 0:
         return None
     return out.stdout.strip() or None
-
-
-# --------------------------------------------------------------------------- writing
 
 
 def write_tables(name: str, tables: dict[str, pd.DataFrame], profile: Profile) -> list[Path]:
@@ -245,49 +171,6 @@ def save_run(
     return {"csvs": csvs, "figures": pngs, "results": results}
 
 
-# --------------------------------------------------------------------------- running
-
-
-class Progress(Protocol):
-    """What an experiment reports progress to: a tqdm bar, a :class:`~labkit.experiments.progress.RunProgress`
-    (which also keeps the rows measured so far), or nothing."""
-
-    def update(self, n: int = 1) -> Any: ...
-
-
-def doing(progress: Progress | None, what: str) -> None:
-    """Name the unit of work about to start (condition, repetition) on ``progress``'s bar."""
-    if progress is not None and hasattr(progress, "set_postfix_str"):
-        progress.set_postfix_str(what)
-
-
-def tick(progress: Progress | None, n: int = 1, **measured: Any) -> None:
-    """Advance ``progress`` after a unit of work; ``measured`` (table name -> rows so far, a list of
-    dicts or a DataFrame) is kept on disk by a progress that can, so a later crash loses no more
-    than the unit in flight."""
-    if progress is None:
-        return
-    if measured and hasattr(progress, "keep"):
-        progress.keep(**measured)  # on disk first: an interrupt may come at any moment after
-    progress.update(n)
-
-
 def partial_dir(name: str, profile: Profile) -> Path:
     """Where a run in progress keeps its finished conditions: ``<data>/<name>/partial/``."""
     return profile.data_dir / name / "partial"
-
-
-@contextlib.contextmanager
-def serving(server: Any = None, **options: Any) -> Iterator[Any]:
-    """``server`` if one was given (left running), else a fresh ``serve_in_thread(**options)``.
-
-    Why: notebooks start the server themselves and pass it in; the CLI and tests let the
-    experiment start its own. Either way, whoever started it stops it.
-    """
-    if server is not None:
-        yield server
-        return
-    from labkit.server import serve_in_thread
-
-    with serve_in_thread(**options) as started:
-        yield started
