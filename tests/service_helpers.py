@@ -35,6 +35,14 @@ TIMEOUT = 30.0  # generous liveness bound; no test asserts speed
 Event = tuple[str, dict[str, Any], str]  # (type, payload, id)
 
 
+def healthy(url: str) -> bool:
+    """Whether a server answers /healthz with 200 now (False while it starts or after it stops)."""
+    try:
+        return httpx.get(url + "/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def wait_until(predicate: Callable[[], Any], timeout: float = TIMEOUT, what: str = "condition") -> Any:
     deadline = time.monotonic() + timeout
     while True:

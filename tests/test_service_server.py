@@ -14,7 +14,7 @@ import pytest
 
 from labkit.server import add_serve_arguments, config_from_args
 from labkit.service.config import ServiceConfig, leaves
-from service_helpers import TIMEOUT, RawClient, lab_server, wait_until
+from service_helpers import RawClient, TIMEOUT, healthy, lab_server, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,7 @@ def test_labkit_serve_drains_open_streams_on_sigint() -> None:
     proc = subprocess.Popen([sys.executable, "-c", code, *argv], cwd=REPO, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _healthy(url) or proc.poll() is not None, timeout=120, what="the server to start")
+        wait_until(lambda: healthy(url) or proc.poll() is not None, timeout=120, what="the server to start")
         assert proc.poll() is None
         stalled = RawClient(url).post("/v1/stream", {"prompt": "Hello", "max_new_tokens": 400})
         stalled.read_events(1)  # then reads nothing: the pause policy holds its slot
@@ -80,12 +80,6 @@ def test_labkit_serve_drains_open_streams_on_sigint() -> None:
             proc.kill()
             proc.wait()
 
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from service_helpers import TIMEOUT, RawClient, lab_server, occupy_a_slot, wait_until
+from service_helpers import RawClient, TIMEOUT, healthy, lab_server, occupy_a_slot, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def test_labkit_serve_exits_cleanly_within_the_drain_grace_on_sigterm() -> None:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _healthy(url) or proc.poll() is not None, timeout=120, what="the server to start")
+        wait_until(lambda: healthy(url) or proc.poll() is not None, timeout=120, what="the server to start")
         assert proc.poll() is None
         blocked = RawClient(url, rcvbuf=4096).post("/v1/stream", {"prompt": "Hello", "max_new_tokens": 400})
         wait_until(lambda: httpx.get(url + "/stats", timeout=TIMEOUT).json()["paused"] == 1,
@@ -112,10 +112,3 @@ def test_labkit_serve_exits_cleanly_within_the_drain_grace_on_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False

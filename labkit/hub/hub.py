@@ -35,7 +35,7 @@ from labkit.engine.events import Event, FinishEvent, TokenEvent
 from labkit.errors import LabkitError
 from labkit.hub.config import HubConfig
 from labkit.hub.policies import Decision, Flow, make_policy
-from labkit.hub.stepper import StepThread
+from labkit.hub.stepper import StepThread, run_check
 from labkit.hub.stream import Item, Stream, StreamError, StreamRecord, StreamState
 
 Verb = Literal["submit", "cancel", "pause", "resume"]
@@ -188,12 +188,7 @@ class Hub:
         if thread is not None and thread.is_alive():
             return thread.check_integrity()
         future: Future[None] = Future()
-        try:
-            self.engine.check_integrity()
-        except Exception as exc:  # an AssertionError is the expected failure
-            future.set_exception(exc)
-        else:
-            future.set_result(None)
+        run_check(self.engine, future)
         return future
 
     # -- streams (loop thread) -------------------------------------------------------------

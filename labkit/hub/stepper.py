@@ -98,14 +98,8 @@ class StepThread:
         with self._checks_lock:
             checks, self._checks = self._checks, []
         for future in checks:
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                self.engine.check_integrity()
-            except Exception as exc:  # an AssertionError is the expected failure
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
+            if future.set_running_or_notify_cancel():
+                run_check(self.engine, future)
 
     def _step(self) -> None:
         self.steps += 1
@@ -148,3 +142,14 @@ class StepThread:
             return True
         except RuntimeError:  # the loop is closed: nobody is left to deliver to
             return False
+
+
+def run_check(engine: Any, future: Future[None]) -> None:
+    """``engine.check_integrity()`` with its outcome in ``future`` (an AssertionError is the
+    expected failure), on whichever thread may touch the engine now."""
+    try:
+        engine.check_integrity()
+    except Exception as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(None)
