@@ -21,7 +21,8 @@
 # connects, sends its request and then reads nothing shows how much they hold together. The
 # server writes SSE events of a fixed size as fast as the connection takes them and times every
 # write; the first write that does not return within the block threshold marks where the writer
-# had to wait. Event sizes of about 133 B (an ordinary token event), 1 KiB, 16 KiB and 64 KiB.
+# had to wait. Event sizes (settings, not measurements): an ordinary token event, then 1 KiB, 16 KiB
+# and 64 KiB.
 
 # %% tags=["parameters"]
 # Parameters: papermill replaces this cell's values (`papermill -p profile_name ci`).

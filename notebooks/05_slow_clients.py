@@ -18,9 +18,9 @@
 #
 # Eight streams of 64 tokens share the engine, and k of their readers (0, 1, 2 or 4) are slow:
 # after every read of at most 64 KiB they sleep a quarter of a second. Each token event carries
-# a 64 KiB SSE comment, a laboratory device that makes one stream about 4 MB, because ordinary
-# token events of about 100 bytes never fill the buffers between server and client (notebook
-# 04). Every policy of the hub is run on its own server, all on one loaded model:
+# a 64 KiB SSE comment (these sizes and sleeps are settings), a laboratory device that makes one
+# stream megabytes long, because ordinary token events (notebook 01 measures their size) never
+# fill the buffers between server and client (notebook 04). Every policy of the hub is run on its own server, all on one loaded model:
 #
 # * `naive`: the engine's step loop hands each event over and waits until it is taken;
 # * `unbounded`: per-stream queues without limit;
@@ -29,14 +29,15 @@
 # * `pause_then_drop`: pause first, cancel a stream that stays paused for 0.25 s.
 #
 # One difference from the chapter, stated plainly: Linux here lets a connection's send buffer
-# grow to about 4 MB, enough for a whole padded stream, so no policy would ever see a slow
-# reader. The main runs cap the server's `SO_SNDBUF` at 256 KiB (the service's `sndbuf`
-# setting; the chapter's machine absorbed 0.25 to 0.33 MB); one extra run, marked `linux`,
+# grow by itself (notebook 04 measures how far), enough for a whole padded stream, so no policy
+# would ever see a slow reader. The main runs cap the server's `SO_SNDBUF` at 256 KiB (the
+# service's `sndbuf` setting, near what the chapter reports its machine absorbed); one extra run,
+# marked `linux`,
 # keeps the kernel's own sizing.
 #
 # A second difference: "slow" is relative to how fast the engine writes. The chapter's GPU
-# wrote about 25 times faster than its reader read; two CPU cores write 64 KiB events at a
-# few hundred KiB/s, about what the chapter's reader takes. So after the first run, in which
+# wrote far faster than its reader read (by the chapter's account); two CPU cores write 64 KiB
+# events at a rate near what the chapter's reader takes. So after the first run, in which
 # nobody is slow, the slow reader's reads are made smaller if needed, so that it takes at most
 # half of what the server wrote to each reader; the sleep stays at 0.25 s. The `pace` table
 # says what was measured and used.
@@ -112,7 +113,7 @@ tables['saturation']
 #
 # The lab's hub queues unformatted events and builds the padding as each one is written. A
 # server that built each event's bytes up front would keep every queued event at its full size. Under
-# `unbounded`, the peak number of events queued at once (sampled every 10 ms) times the
+# `unbounded`, the peak number of events queued at once (sampled at a fixed interval, a setting) times the
 # measured size of one event gives that memory; `bound_bytes` is the arithmetic ceiling,
 # every token of every slow stream, and `unread_at_release_bytes` what the slow clients had
 # still to read when their sequences left the engine (queue and kernel together).

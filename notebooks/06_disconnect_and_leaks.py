@@ -81,7 +81,7 @@ written = save_run(disconnect, config, profile, tables, elapsed, figures)
 print("figures:", ", ".join(p.name for p in written["figures"]), "| results:", written["results"])
 
 # %% [markdown]
-# **Leak.** Many streams from up to 48 concurrent clients, batch limit 8, on a seeded plan: 35%
+# **Leak.** Many streams from up to 48 concurrent clients, batch limit 8, on a seeded plan (its shares are settings): 35%
 # read to the end, half leave after 0 to 40 tokens by FIN or RST, 15% read slowly and leave
 # after 3 or 10 tokens. Afterwards we inspect the server, not the responses.
 
