@@ -59,6 +59,24 @@ def closing_note(seconds: dict[str, float], profile: str) -> str:
     )
 
 
+def noisy_runs(data_dir: Path, since: float) -> list[str]:
+    """The experiments written since ``since`` (epoch seconds) whose run was not quiet."""
+    import json
+
+    warnings = []
+    for path in sorted(data_dir.glob("*/results.json")):
+        if path.stat().st_mtime < since:
+            continue
+        machine = json.loads(path.read_text()).get("machine") or {}
+        if machine.get("quiet") is False:
+            share = machine.get("others_cpu_share")
+            warnings.append(
+                f"{path.parent.name}: the machine was not quiet (other processes used {share:.0%} of the CPUs); "
+                "its seconds are suspect, its step counts still hold"
+            )
+    return warnings
+
+
 def main(argv: list[str] | None = None) -> int:
     from labkit.experiments.durations import record_durations
     from labkit.experiments.profiles import get_profile
@@ -75,16 +93,23 @@ def main(argv: list[str] | None = None) -> int:
         paths = [p for p in paths if any(p.name.startswith(o) for o in args.only)]
     seconds: dict[str, float] = {}
     failed: dict[str, str] = {}
+    profile = get_profile(args.profile)
+    from labkit.experiments.readings import code_dirty
+
+    if code_dirty():
+        print("WARNING: labkit/ or tests/ has uncommitted changes; results.json will say so", flush=True)
     for path in paths:
         print(f"running {path.relative_to(ROOT)} ({args.profile}) ...", flush=True)
+        started = time.time()
         took, error = run_notebook(path, args.cell_timeout)
+        for warning in noisy_runs(profile.data_dir, since=started):
+            print(f"  WARNING: {warning}", flush=True)
         if error is None:
             seconds[path.stem] = took
             print(f"  done in {took:.0f} s", flush=True)
         else:
             failed[path.stem] = error
             print(f"  FAILED after {took:.0f} s: {error} (outputs so far kept in the notebook)", flush=True)
-    profile = get_profile(args.profile)
     table = record_durations(profile, seconds, _git_commit())  # only notebooks that ran to the end
     print()
     print(closing_note(seconds, args.profile))

@@ -17,7 +17,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -26,7 +26,7 @@ import torch
 
 from labkit.engine.cache import BlockManager
 from labkit.engine.config import EngineConfig
-from labkit.engine.events import Event, FinishEvent, FinishReason, TokenEvent, Usage
+from labkit.engine.events import Event, FinishEvent, FinishReason, StepRecord, TokenEvent, Usage
 from labkit.engine.runner import ModelRunner
 from labkit.engine.sampling import Sampler, make_generator
 from labkit.engine.scheduler import Command, Inbox, Scheduler, Verb
@@ -37,6 +37,7 @@ from labkit.models.loaded import LoadedModel
 
 OnEvent = Callable[[Event], None]
 log = logging.getLogger(__name__)
+STEP_LOG = 50_000
 SAMPLING_FAILED = "the next token could not be drawn for this request"
 
 
@@ -66,6 +67,8 @@ class BatchEngine:
         self._ids_lock = threading.Lock()
         self._known: dict[str, int] = {}  # request id -> number of the live sequence holding it
         self.current_step = 0
+        # The last STEP_LOG steps (about 4 MB at most): what a run's step-time spread is read from.
+        self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG)
         self._step_lock = threading.Lock()
         self.counters: Counter[str] = Counter()
         self.finished: Counter[str] = Counter()
@@ -144,6 +147,7 @@ class BatchEngine:
             raise RuntimeError("BatchEngine.step() was called from two threads at once")
         try:
             self.current_step += 1
+            started = time.perf_counter()
             events: list[Event] = []
 
             def emit(event: Event) -> None:
@@ -159,6 +163,9 @@ class BatchEngine:
             if batch:
                 self._decode(batch, emit)
             self.counters["steps"] += 1
+            self.step_log.append(
+                StepRecord(self.current_step, started, time.perf_counter() - started, len(batch), len(admitted))
+            )
             return events
         finally:
             self._step_lock.release()
@@ -282,6 +289,10 @@ class BatchEngine:
         return str(rid)  # a plain string, even when the caller passed a RequestId back
 
     # -- introspection -------------------------------------------------------------------
+    def steps_since(self, step: int) -> list[StepRecord]:
+        """The logged steps numbered above ``step`` (a copy; safe from any thread)."""
+        return [r for r in self.step_log.copy() if r.step > step]  # copy(): one C call, atomic
+
     def stats(self) -> dict[str, Any]:
         sched = self.scheduler
         with self._ids_lock:  # a step may be moving submits from the inbox to the waiting list

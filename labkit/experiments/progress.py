@@ -58,6 +58,10 @@ class RunProgress:
         self.bar = tqdm(total=total, desc=name, unit="condition", disable=not show, leave=True)
         self.started = time.perf_counter()
         self.done = 0
+        from labkit.experiments.readings import MachineState
+
+        self.before = MachineState.now()
+        self.after: MachineState | None = None
 
     def update(self, n: int = 1) -> None:
         self.done += n
@@ -80,7 +84,19 @@ class RunProgress:
         return time.perf_counter() - self.started
 
     def close(self) -> None:
+        from labkit.experiments.readings import MachineState
+
+        if self.after is None:
+            self.after = MachineState.now()
         self.bar.close()
+
+    @property
+    def machine(self) -> dict[str, Any]:
+        """The run's machine record (load before and after, CPU used, quiet or not); for
+        ``save_run(..., machine=progress.machine)``."""
+        from labkit.experiments.readings import MachineState, machine_record
+
+        return machine_record(self.before, self.after or MachineState.now())
 
 
 @contextlib.contextmanager

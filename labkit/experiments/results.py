@@ -47,6 +47,7 @@ def environment(profile: Profile) -> dict[str, Any]:
         "model": profile.model,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": _git_commit(),
+        "code_dirty": _code_dirty(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu": _cpu_model(),
@@ -65,6 +66,12 @@ def _version(name: str) -> str | None:
 
             return labkit.__version__
         return None
+
+
+def _code_dirty() -> bool | None:
+    from labkit.experiments.readings import code_dirty
+
+    return code_dirty()
 
 
 def _cpu_model() -> str:
@@ -111,8 +118,13 @@ def write_results(
     tables: dict[str, pd.DataFrame],
     figures: list[Path] = (),  # type: ignore[assignment]
     summary: dict[str, Any] | None = None,
+    machine: dict[str, Any] | None = None,
 ) -> Path:
-    """``<data>/<name>/results.json``: the environment, the config, the headline numbers, the files."""
+    """``<data>/<name>/results.json``: the environment, the machine's state during the run (load,
+    CPU, quiet or not), the step-time spread (from a ``steps`` table), the config, the headline
+    numbers and the files."""
+    from labkit.experiments.readings import step_spread
+
     folder = profile.data_dir / name
     folder.mkdir(parents=True, exist_ok=True)
     record = {
@@ -120,6 +132,8 @@ def write_results(
         "environment": environment(profile),
         "config": asdict(config) if is_dataclass(config) and not isinstance(config, type) else config,
         "elapsed_s": round(elapsed_s, 3),
+        "machine": machine,
+        "step_spread": step_spread(tables["steps"]) if "steps" in tables else None,
         "summary": summary or {},
         "tables": {t: {"rows": len(df), "columns": list(map(str, df.columns))} for t, df in tables.items()},
         "figures": [_relative(p, profile.out_root) for p in figures],
@@ -150,11 +164,12 @@ def save_run(
     tables: dict[str, pd.DataFrame],
     elapsed_s: float,
     figures: list[Any] | None = None,
+    machine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write one run of an experiment module: its CSVs, its figures and its ``results.json``.
 
     ``figures`` are the ones ``module.plot`` already drew (a notebook shows them first); None
-    draws them here. Returns the paths written, under ``csvs``, ``figures`` and ``results``.
+    draws them here. ``machine`` is the run's record (``progress.machine`` of ``measuring``). Returns the paths written, under ``csvs``, ``figures`` and ``results``.
     """
     import shutil
 
@@ -165,7 +180,14 @@ def save_run(
     pngs = [savefig(fig, folder=profile.figures_dir) for fig in drawn]
     summary = module.summary(tables) if hasattr(module, "summary") else {}
     results = write_results(
-        module.NAME, profile, config=config, elapsed_s=elapsed_s, tables=tables, figures=pngs, summary=summary
+        module.NAME,
+        profile,
+        config=config,
+        elapsed_s=elapsed_s,
+        tables=tables,
+        figures=pngs,
+        summary=summary,
+        machine=machine,
     )
     shutil.rmtree(partial_dir(module.NAME, profile), ignore_errors=True)  # the whole run replaces it
     return {"csvs": csvs, "figures": pngs, "results": results}

@@ -8,6 +8,10 @@ it is asked to, so neither belongs on a server that anyone but the lab can reach
 (submit, first token sampled / queued / taken, close, engine release, tokens generated and
 delivered, how it ended), all ``time.perf_counter()`` seconds on the server's clock.
 
+``GET /lab/steps?since=N``: the engine's step log after step ``N`` (number, start, seconds,
+sequences decoded, prompts prefilled): what an experiment reads its step-time spread from, over
+HTTP, instead of reaching into the engine from another thread.
+
 ``POST /lab/flood`` {flood_id, event_bytes, count, block_threshold}: writes ``count`` SSE events
 of exactly ``event_bytes`` bytes each, as fast as the connection accepts them, and times every
 ``send``. The first send that takes longer than ``block_threshold`` (default 50 ms) marks the
@@ -56,6 +60,12 @@ async def one_record(request: Request, request_id: str) -> dict[str, Any]:
     if record is None:
         raise ServiceError(404, "not_found", f"no record of stream {clip(request_id)!r}")
     return record.as_dict()
+
+
+@router.get("/lab/steps")
+async def steps(request: Request, since: int = 0) -> dict[str, Any]:
+    engine = service_of(request).engine
+    return {"steps": [asdict(r) for r in engine.steps_since(since)], "step": engine.current_step}
 
 
 class FloodRequest(BaseModel):
