@@ -9,7 +9,7 @@ KERNEL := streamlab
 KERNEL_DISPLAY := streamlab (labkit)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: lint lab test test-fast jupyter demo sync-notebooks clean-venv system-deps
+.PHONY: lint lab bench test test-fast jupyter demo sync-notebooks clean-venv system-deps
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,14 @@ $(STAMP): pyproject.toml Makefile
 # end and kept in data/durations.csv.
 lab: system-deps $(STAMP)
 	$(PY) -m labkit.rerun --profile full
+	$(PY) -m labkit.readme
+
+# The README's two benchmark tables, each from one run on this machine (run it when quiet:
+# cat /proc/loadavg), saved under data/bench/ and rendered into README.md.
+bench: $(STAMP)
+	$(VENV)/bin/labkit bench step --model smollm2-135m --rounds 3 --threads 2 --save
+	$(VENV)/bin/labkit bench generate --model smollm2-135m --threads 2 --save
+	$(PY) -m labkit.readme
 
 # The whole suite: unit and service tests, then every notebook under nbval with the small ci
 # profile, chosen from outside (the kernels inherit LABKIT_PROFILE; the notebooks' parameters

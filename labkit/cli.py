@@ -64,12 +64,19 @@ def _add_bench(sub) -> None:
         help="generate: let requests end on eos (by default each makes exactly --new-tokens)",
     )
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--save",
+        action="store_true",
+        help="also write the table to data/bench/<what>.csv with its provenance (.json); the README renders it",
+    )
     p.set_defaults(func=_bench)
 
 
 def _bench(args) -> None:
     from labkit import bench
+    from labkit.experiments.readings import MachineState
 
+    before = MachineState.now()
     if args.what == "step":
         step = bench.StepBench(
             model=args.model,
@@ -92,7 +99,36 @@ def _bench(args) -> None:
             ignore_eos=not args.stop_at_eos,
         )
         table = bench.bench_generate(cfg)
+    if args.save:
+        _save_bench(args.what, table, before)
     print(table.to_markdown(index=False, floatfmt=".2f") if _has_tabulate() else table.round(2).to_string(index=False))
+
+
+def _save_bench(what: str, table, before) -> None:
+    """``data/bench/<what>.csv`` and beside it the run's provenance (commit, load, threads)."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from labkit.experiments.readings import MachineState, code_dirty, machine_record
+    from labkit.experiments.results import _git_commit, _jsonable
+
+    folder = Path(__file__).resolve().parent.parent / "data" / "bench"
+    folder.mkdir(parents=True, exist_ok=True)
+    table.to_csv(folder / f"{what}.csv", index=False)
+    import datetime as dt
+
+    machine = machine_record(before, MachineState.now())
+    meta = {
+        "git_commit": _git_commit(),
+        "code_dirty": code_dirty(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch_threads": torch.get_num_threads(),
+        **machine,
+    }
+    (folder / f"{what}.json").write_text(json.dumps(meta, indent=2, default=_jsonable) + "\n")
+    print(f"saved data/bench/{what}.csv (python -m labkit.readme renders it into README.md)")
 
 
 def _has_tabulate() -> bool:

@@ -1,0 +1,122 @@
+"""The README's measured tables, rendered from the data files that hold them.
+
+Why: a number typed into the README goes stale the moment the code changes, and nothing tells.
+Each measured table sits between two markers::
+
+    <!-- data: durations -->
+    ...rendered table...
+    <!-- /data -->
+
+and ``python -m labkit.readme`` (run by ``make lab`` and ``make bench``) replaces what is between
+them with the table rendered from ``data/``: ``durations`` from ``data/durations.csv``,
+``bench_step`` and ``bench_generate`` from ``data/bench/*.csv`` (``labkit bench … --save``).
+``tests/test_readme.py`` fails when the README and its data disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = re.compile(r"(<!-- data: (?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /data -->)", re.S)
+
+
+def _provenance(path: Path) -> str:
+    """``commit abc1234, 2026-11-30, load 0.12`` from the ``.json`` saved beside a bench table."""
+    meta = path.with_suffix(".json")
+    if not meta.exists():
+        return ""
+    m = json.loads(meta.read_text())
+    dirty = ", uncommitted changes" if m.get("code_dirty") else ""
+    return (
+        f"\n*One run: commit {str(m.get('git_commit') or '?')[:7]}{dirty}, {str(m.get('date', '?'))[:10]}, "
+        f"{m.get('torch_threads', '?')} threads, load average {m.get('loadavg_before', ['?'])[0]} before.*\n"
+    )
+
+
+def durations(data: Path) -> str:
+    table = pd.read_csv(data / "durations.csv", dtype={"commit": str})
+    table = table[table.profile == "full"]
+    lines = ["| notebook | minutes |", "|---|---|"]
+    lines += [f"| `{r.notebook}` | {r.seconds / 60:.1f} |" for r in table.itertuples() if r.notebook != "total"]
+    total = table[table.notebook == "total"]
+    if not total.empty:
+        row = total.iloc[0]
+        lines.append(f"| **total** | **{row.seconds / 60:.1f}** |")
+        lines.append("")
+        lines.append(f"*Last `make lab`: commit {str(row.commit)[:7]}, {str(row.date)[:10]}.*")
+    return "\n".join(lines) + "\n"
+
+
+def bench_step(data: Path) -> str:
+    path = data / "bench" / "step.csv"
+    t = pd.read_csv(path)
+    ratios = ["engine/floor", "engine/bare", "plain/bare", "invariant/plain"]
+    head = "| decode step, B | " + " | ".join(str(int(b)) for b in t.batch) + " |"
+    lines = [head, "|---" * (len(t) + 1) + "|"]
+    lines.append("| engine (invariant), ms | " + " | ".join(f"{x:.1f}" for x in t.engine_step_ms) + " |")
+    lines.append("| engine (plain), ms | " + " | ".join(f"{x:.1f}" for x in t.engine_plain_ms) + " |")
+    lines.append("| bare transformers forward, ms | " + " | ".join(f"{x:.1f}" for x in t.bare_forward_ms) + " |")
+    lines.append("| matmul floor, ms | " + " | ".join(f"{x:.1f}" for x in t.matmul_floor_ms) + " |")
+    for r in ratios:
+        lines.append(f"| {r} | " + " | ".join(f"{x:.2f}" for x in t[r]) + " |")
+    return "\n".join(lines) + "\n" + _provenance(path)
+
+
+def bench_generate(data: Path) -> str:
+    path = data / "bench" / "generate.csv"
+    t = pd.read_csv(path)
+    lines = [
+        "| run (requests × tokens, greedy) | seconds | tokens/s | engine all at once is | same tokens as the engine |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['run']} | {r['seconds']:.2f} | {r['tokens_per_s']:.1f} | {r['engine_all_at_once/this']:.2f}× "
+        f"| {r['same_tokens_as_engine']} |"
+        for r in t.to_dict("records")
+    ]
+    return "\n".join(lines) + "\n" + _provenance(path)
+
+
+RENDERERS: dict[str, Callable[[Path], str]] = {
+    "durations": durations,
+    "bench_step": bench_step,
+    "bench_generate": bench_generate,
+}
+
+
+def render(text: str, data: Path) -> str:
+    """``text`` with every marked block replaced by its table rendered from ``data``; a block
+    whose data file does not exist yet is left as it is."""
+
+    def one(m: re.Match[str]) -> str:
+        render_block = RENDERERS.get(m["name"])
+        if render_block is None:
+            raise ValueError(f"README block {m['name']!r} has no renderer (known: {', '.join(RENDERERS)})")
+        try:
+            body = render_block(data)
+        except FileNotFoundError:
+            return m[0]
+        return f"{m[1]}{body}{m[4]}"
+
+    return BLOCK.sub(one, text)
+
+
+def main() -> int:
+    readme = ROOT / "README.md"
+    old = readme.read_text()
+    new = render(old, ROOT / "data")
+    if new != old:
+        readme.write_text(new)
+        print("README.md: measured tables re-rendered from data/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

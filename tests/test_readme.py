@@ -1,0 +1,34 @@
+"""The README's measured tables are rendered from data/, never typed: they cannot drift apart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from labkit import readme
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_readme_tables_are_what_the_data_renders():
+    text = (ROOT / "README.md").read_text()
+    assert readme.render(text, ROOT / "data") == text, "run `python -m labkit.readme` after make lab / make bench"
+    assert "<!-- data: durations -->" in text and "<!-- data: bench_step -->" in text
+
+
+def test_a_block_is_replaced_by_its_rendered_table_and_an_unknown_block_is_refused(tmp_path):
+    pd.DataFrame(
+        [
+            {"notebook": "01_wire_format", "profile": "full", "seconds": 90.0, "commit": "abcdef0123", "date": "2026-11-30"},
+            {"notebook": "total", "profile": "full", "seconds": 90.0, "commit": "abcdef0123", "date": "2026-11-30"},
+        ]
+    ).to_csv(tmp_path / "durations.csv", index=False)
+    out = readme.render("a\n<!-- data: durations -->\nstale 99 min\n<!-- /data -->\nb\n", tmp_path)
+    assert "stale" not in out and "| `01_wire_format` | 1.5 |" in out and "abcdef0" in out
+    assert out.startswith("a\n<!-- data: durations -->\n") and out.endswith("<!-- /data -->\nb\n")
+    missing = "<!-- data: bench_step -->\nnot yet\n<!-- /data -->\n"
+    assert readme.render(missing, tmp_path) == missing  # no data file yet: left as it is
+    with pytest.raises(ValueError, match="no renderer"):
+        readme.render("<!-- data: nonsense -->\n<!-- /data -->", tmp_path)
