@@ -108,3 +108,14 @@ def test_every_level_makes_the_same_tokens_with_ignore_eos():
     with labkit.serve_in_thread(model="tiny-gpt2", max_batch=4) as server:
         launch = run_sync(launch_streams(server.url, [body] * 4))
     assert [len(r.tokens) for r in launch.results] == [12] * 4
+
+
+def test_the_full_profile_fits_its_budget_with_margin_by_its_step_count():
+    """Estimated from steps × the step costs of the quiet machine (no wall clock here): the full
+    run of notebook 03 must leave at least 15% of its budget."""
+    full = overlap.Config.for_profile(Profile("full"))
+    estimate = overlap.estimate_seconds(full)
+    assert estimate["total"] <= 0.85 * overlap.FULL_BUDGET_S, estimate
+    assert full.repetitions >= 3 and full.step_rounds >= 3 and full.step_rounds * full.step_steps > 15
+    bigger = overlap.estimate_seconds(overlap.Config(repetitions=6))
+    assert bigger["levels"] == pytest.approx(2 * estimate["levels"])

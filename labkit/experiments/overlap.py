@@ -87,7 +87,7 @@ class Config:
             joiners=4,
             joiner_tokens=4,
             long_tokens=200,
-            joiner_window=(0.05, 0.3),
+            joiner_window=(0.02, 0.15),
             idle_pause=(0.01, 0.05),
             delivery_streams=8,
             step_batches=(1, 2, 4, 8),
@@ -115,6 +115,51 @@ def server_options(config: Config) -> dict[str, Any]:
 def units(config: Config) -> int:
     reps = config.repetitions
     return len(config.levels) * reps + 1 + len(config.backgrounds) * reps + 2 * reps
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What the engine's steps cost on a machine, to size a profile before running it: ms per
+    decode step at some batch sizes (linear in between), ms per prompt prefilled (prompts are
+    prefilled one after another), seconds to load the model, and a factor for the client and HTTP
+    work that shares the cores with the engine."""
+
+    decode_ms: tuple[tuple[int, float], ...]
+    prefill_ms: float
+    load_s: float
+    overhead: float = 1.15
+
+    def decode(self, batch: int) -> float:
+        sizes, ms = zip(*self.decode_ms)
+        return float(np.interp(batch, sizes, ms)) / 1e3
+
+
+FULL_MACHINE = StepCosts(((1, 50.0), (4, 75.0), (8, 85.0), (16, 90.0), (32, 140.0)), prefill_ms=140.0, load_s=25.0)
+"""SmolLM2-135M, float32, 2 threads on the quiet 2-core machine (a 50-token prompt's prefill; the
+lab's prompts are shorter; the slowest model load seen)."""
+
+FULL_BUDGET_S = 8 * 60
+"""What the ``full`` profile of notebook 03 may take, model load included."""
+
+
+def estimate_seconds(config: Config, costs: StepCosts = FULL_MACHINE) -> dict[str, float]:
+    """A run's length from its steps: each launch is its prompts' prefills plus one step per
+    further token at the batch it runs; the plain mode is taken to cost what the invariant one
+    does (it costs less), so the step-cost figure is an upper bound."""
+    prefill, d, reps = costs.prefill_ms / 1e3, costs.decode, config.repetitions
+    levels = reps * sum(n * prefill + (config.max_new_tokens - 1) * d(n) for n in config.levels)
+    points = config.step_rounds * (config.step_warmup + config.step_steps)
+    step = sum(2 * b * prefill * config.step_context / 50 + 2 * points * d(b) for b in config.step_batches)
+    idle = config.joiners * (prefill + (config.joiner_tokens - 1) * d(1) + sum(config.idle_pause) / 2)
+    busy = sum(b * prefill + (config.long_tokens - 1) * d(b + config.joiners) for b in config.backgrounds if b)
+    joiners = reps * ((idle if 0 in config.backgrounds else 0.0) + busy)
+    n = config.delivery_streams
+    delivery = 2 * reps * (n * prefill + (config.joiner_tokens - 1) * d(n))
+    parts = {"levels": levels, "step_cost": step, "joiners": joiners, "delivery": delivery}
+    out = {k: costs.overhead * v for k, v in parts.items()}
+    out["model_load"] = costs.load_s
+    out["total"] = sum(out.values())
+    return out
 
 
 def _body(prompt: str, tokens: int, ignore_eos: bool = True) -> dict[str, Any]:
@@ -567,7 +612,7 @@ def verdicts(tables: dict[str, pd.DataFrame], joiner_steps: int = Config.joiner_
     top = int(levels.level.max())
     throughput = _paired_ratio(levels, "tokens_per_s", top)
     gap = _paired_ratio(levels, "gap_p50_s", top)
-    busy = joiners[joiners.background > 0]
+    busy = joiners[(joiners.background > 0) & (joiners.background_running_at_send > 0)]  # measured, not named
     idle = joiners[joiners.background == 0]
     busy_steps = busy.ttft_steps.dropna()
     return [
@@ -725,19 +770,27 @@ def _with_range(ax: Any, x: Any, table: pd.DataFrame, column: str, scale: float 
 
 
 def _plot_throughput(levels: pd.DataFrame):
+    from matplotlib.ticker import FuncFormatter
+
     from labkit.plots import new_figure
 
-    fig, (left, right) = new_figure("overlap_throughput", ncols=2)
-    s = spread(levels, "level", ["tokens_per_s", "makespan_s", "back_to_back_s"])
+    fig, (left, right, third) = new_figure("overlap_throughput", ncols=3)
+    s = spread(levels, "level", ["tokens_per_s", "makespan_s", "back_to_back_s", "speedup"])
     _with_range(left, s.level, s, "tokens_per_s", fmt="o-", label="all at once (median, min–max)")
     left.scatter(levels.level, levels.tokens_per_s, s=10, color="tab:blue", alpha=0.5)
     left.set(xlabel="concurrent streams", ylabel="tokens/s (all streams)", title="Aggregate throughput")
     _with_range(right, s.level, s, "makespan_s", fmt="o-", label="all at once (makespan)")
     right.plot(s.level, s.back_to_back_s_median, "s--", label="one after another (level × level-1 makespan)")
     right.set(xlabel="concurrent streams", ylabel="seconds", title="Time to serve them all")
-    right.legend()
-    left.legend()
-    for ax in (left, right):
+    _with_range(third, s.level, s, "speedup", fmt="o-", label="measured (median, min–max)")
+    third.scatter(levels.level, levels.speedup, s=10, color="tab:blue", alpha=0.5)
+    third.plot(s.level, s.level, ":", color="gray", label="ideal: level × one")
+    third.axhline(1, color="gray", linewidth=0.8)
+    third.set(xlabel="concurrent streams", ylabel="× back to back", title="Speedup over the same sweep's level 1")
+    third.set_yscale("log", base=2)
+    third.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}×"))
+    for ax in (left, right, third):
+        ax.legend(fontsize="small")
         _level_axis(ax, s.level)
     return fig
 
@@ -779,13 +832,15 @@ def _plot_first_tokens(streams: pd.DataFrame):
             if not len(values):
                 continue
             fraction = np.arange(1, len(values) + 1) / len(values)
-            ax.step(
+            ax.plot(
                 values,
                 fraction,
-                where="post",
+                drawstyle="steps-post",
+                marker="o",
+                markersize=3,
                 color=color,
                 linestyle=styles[int(rep) % len(styles)],
-                label=f"{level} streams" if rep == 0 else None,
+                label=(f"{level} stream" + ("s" if level > 1 else "")) if rep == 0 else None,
             )
     ax.set(
         xlabel="ms to first token",
@@ -845,7 +900,7 @@ def _plot_joiners(joiners: pd.DataFrame):
     )
     right.set(
         xlabel="sent at, s after the condition began",
-        ylabel="steps from send to first token",
+        ylabel="steps, request taken to first token",
         title="The same in engine steps",
     )
     left.set_ylim(bottom=0)
