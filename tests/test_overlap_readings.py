@@ -119,3 +119,17 @@ def test_the_full_profile_fits_its_budget_with_margin_by_its_step_count():
     assert full.repetitions >= 3 and full.step_rounds >= 3 and full.step_rounds * full.step_steps > 15
     bigger = overlap.estimate_seconds(overlap.Config(repetitions=6))
     assert bigger["levels"] == pytest.approx(2 * estimate["levels"])
+
+
+def test_delivery_modes_are_interleaved_and_the_plain_call_07_makes_still_gets_its_table():
+    config = overlap.Config(
+        model="tiny-gpt2", levels=(1,), repetitions=2, backgrounds=(0,), joiners=1, joiner_tokens=2, delivery_streams=2
+    )
+    log: list[pd.DataFrame] = []
+    with labkit.serve_in_thread(**overlap.server_options(config)) as server:
+        plain = overlap.measure_delivery(server, config, None)
+        counted = overlap.measure_delivery(server, config, None, step_log=log)
+    order = list(dict.fromkeys(zip(plain.repetition, plain["mode"])))
+    assert order == [(0, "prefill"), (0, "step_end"), (1, "prefill"), (1, "step_end")]
+    assert plain.ttft_s.notna().all() and plain.ttft_steps.isna().all()
+    assert counted.ttft_steps.notna().all() and len(log) == 4 and set(pd.concat(log).phase) == {"delivery"}

@@ -171,7 +171,8 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
         levels, streams, level_steps = measure_levels(srv.url, config, progress)
         step_rounds = measure_step_cost(srv.engine.model, config, progress)
         joiners, joiner_steps = measure_joiners(srv.url, config, progress)
-        delivery, delivery_steps = measure_delivery(srv, config, progress)
+        delivery_steps: list[pd.DataFrame] = []
+        delivery = measure_delivery(srv, config, progress, step_log=delivery_steps)
     step_cost = step_cost_table(step_rounds)
     return {
         "levels": levels,
@@ -182,7 +183,7 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
         "step_fit": fit_step_cost(step_cost),
         "joiners": joiners,
         "delivery": delivery,
-        "steps": pd.concat([level_steps, joiner_steps, delivery_steps], ignore_index=True),
+        "steps": pd.concat([level_steps, joiner_steps, *delivery_steps], ignore_index=True),
     }
 
 
@@ -549,11 +550,15 @@ def joiners_table(joiners: pd.DataFrame) -> pd.DataFrame:
 # --------------------------------------------------------------------------- first-token delivery
 
 
-def measure_delivery(srv: Any, config: Config, progress: Progress | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+def measure_delivery(
+    srv: Any, config: Config, progress: Progress | None, *, step_log: list[pd.DataFrame] | None = None
+) -> pd.DataFrame:
     """N streams at once under each delivery mode, the two servers up side by side (sharing the
-    model) and their repetitions interleaved."""
+    model) and their repetitions interleaved. With ``step_log`` (a list to append to), each
+    launch's steps are read from the servers' lab routes and every first token is counted in steps
+    too; without, nothing but the streams is asked of the server (07 reuses this)."""
     bodies = [_body(p, config.joiner_tokens) for p in PROMPTS[: config.delivery_streams]]
-    rows, steps = [], []
+    rows = []
     with contextlib.ExitStack() as stack:
         servers = {}
         for mode in ("prefill", "step_end"):
@@ -563,10 +568,13 @@ def measure_delivery(srv: Any, config: Config, progress: Progress | None) -> tup
         for rep, mode in interleaved(list(servers), config.repetitions):
             doing(progress, f"first token at {mode}, repetition {rep + 1}/{config.repetitions}")
             url = servers[mode].url
-            since = current_step(url)
+            since = current_step(url) if step_log is not None else 0
             launch = run_sync(launch_streams(url, bodies))
-            taken = fetch_steps(url, since)
-            in_steps = first_token_steps(url, launch.results, taken)
+            in_steps: list[int | None] = [None] * len(launch.results)
+            if step_log is not None:
+                taken = fetch_steps(url, since)
+                in_steps = first_token_steps(url, launch.results, taken)
+                step_log.append(taken.assign(phase="delivery", condition=mode, repetition=rep))
             rows += [
                 {
                     "mode": mode,
@@ -578,9 +586,8 @@ def measure_delivery(srv: Any, config: Config, progress: Progress | None) -> tup
                 }
                 for i, r in enumerate(launch.results)
             ]
-            steps.append(taken.assign(phase="delivery", condition=mode, repetition=rep))
             tick(progress, delivery=rows)
-    return pd.DataFrame(rows), pd.concat(steps, ignore_index=True)
+    return pd.DataFrame(rows)
 
 
 def delivery_table(delivery: pd.DataFrame) -> pd.DataFrame:
