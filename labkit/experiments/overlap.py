@@ -708,6 +708,19 @@ def report(tables: dict[str, pd.DataFrame]) -> str:
     )
 
 
+def _alike(cost: pd.DataFrame, mode: str, a: int, b: int) -> str:
+    """`` (within noise: the rounds' ranges overlap)`` when two batch sizes' min–max ranges overlap."""
+    pa, pb = (cost[(cost["mode"] == mode) & (cost.batch == n)] for n in (a, b))
+    if pa.empty or pb.empty:
+        return " (not both measured)"
+    overlap_ = pa.step_ms_max.iloc[0] >= pb.step_ms_min.iloc[0] and pb.step_ms_max.iloc[0] >= pa.step_ms_min.iloc[0]
+    return (
+        ", the same within noise (the rounds' ranges overlap)"
+        if overlap_
+        else ", a difference beyond the rounds' ranges"
+    )
+
+
 def findings(tables: dict[str, pd.DataFrame]) -> dict[str, str]:
     """The sentences the notebook prints about what was found, each rendered from the data."""
     levels, cost, fit = tables["levels"], tables["step_cost"], tables["step_fit"].set_index("mode")
@@ -726,8 +739,9 @@ def findings(tables: dict[str, pd.DataFrame]) -> dict[str, str]:
             f"took {span(one.steps, '{:.0f}')} steps."
         ),
         "step_cost": (
-            f"Batch-invariant mode: B=1 {inv1:.0f} ms, B=8 {inv8:.0f} ms (B=1 costs {inv1 / inv8:.0%} of B=8); "
-            f"plain mode: B=1 {pl1:.0f} ms, B=8 {pl8:.0f} ms ({pl1 / pl8:.0%}). "
+            f"Batch-invariant mode: B=1 {inv1:.1f} ms, B=8 {inv8:.1f} ms: B=1 costs {inv1 / inv8:.0%} of B=8"
+            f"{_alike(cost, 'invariant', 1, 8)}; plain mode: B=1 {pl1:.1f} ms, B=8 {pl8:.1f} ms: "
+            f"{pl1 / pl8:.0%}{_alike(cost, 'plain', 1, 8)}. "
             + "".join(
                 f"{m}: {r.intercept_ms:.1f} ms fixed + {r.ms_per_sequence:.2f} ms per sequence; "
                 for m, r in fit.iterrows()
