@@ -756,7 +756,7 @@ def findings(tables: dict[str, pd.DataFrame]) -> dict[str, str]:
         ),
         "joiners": " ".join(
             f"{r.condition}: first token after {span([r.ttft_s_median * 1e3], '{:.0f}', ' ms')} median "
-            f"({r.ttft_s_min * 1e3:.0f}–{r.ttft_s_max * 1e3:.0f} ms), {r.ttft_steps_median:.0f} steps "
+            f"({r.ttft_s_min * 1e3:.0f}–{r.ttft_s_max * 1e3:.0f} ms), {r.ttft_steps_median:.0f} step(s) "
             f"({r.ttft_steps_min:.0f}–{r.ttft_steps_max:.0f})."
             for _, r in joiners.iterrows()
         ),
