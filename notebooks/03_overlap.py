@@ -19,13 +19,23 @@
 # The same server answers 1, 2, 4, ... streams sent at the same moment, each on its own
 # connection, and we measure from the client's side: the makespan (first request sent to last
 # stream ended), the aggregate tokens per second, the time to first token and the gap between
-# tokens. The baseline is the same prompts run one after another, summed.
+# tokens, and from the server's step log (`GET /lab/steps`) how many engine steps each level took.
+# Every stream makes exactly the same number of tokens (`ignore_eos`), every condition is repeated
+# in the order A B C, A B C, and the baseline is measured in the same sweep: serving N streams one
+# after another takes N times the median makespan of the sweep's own level-1 runs.
 #
-# Three expectations, taken from the chapter and tested here: aggregate throughput grows nearly
-# with the number of streams while each stream's gap grows much less; the wait for a first token rises
-# with how many requests arrive at once, because their prefills run one after
-# another; and a request that joins while others run waits for the step in progress and its
-# own prefill, and no more.
+# ## Hypotheses, and what would falsify each (stated before measuring)
+#
+# * **overlap**: the largest level reaches at least twice the aggregate tokens/s of one stream.
+#   Falsified if the median ratio (same repetition) is below 2.
+# * **per-stream gap**: each stream's gap between tokens grows much less than the number of
+#   streams. Falsified if the median gap at the largest level is at least a quarter of
+#   (number of streams × the gap at 1).
+# * **joiner waits a step**: a request that joins a running batch waits for the step in progress
+#   and its own prefill, and no more. Falsified if the median joiner has its first token sampled
+#   more than `Config.joiner_steps` engine steps after the server took it.
+# * **idle means idle**: joiners spaced beyond their own run find the engine idle. Falsified if any
+#   joiner of the idle condition was sent while another request ran (then it is not a baseline).
 
 # %% tags=["parameters"]
 # Parameters: papermill replaces this cell's values (`papermill -p profile_name ci`).
@@ -43,6 +53,8 @@ from labkit.experiments import chapter, overlap
 from labkit.experiments.results import save_run
 from labkit.experiments.notebook import settings_table, setup_notebook
 from labkit.experiments.progress import measuring
+from labkit.experiments.readings import quiet_line, verdict_lines, verdict_table
+from IPython.display import Markdown, display
 
 profile = setup_notebook(profile_name, model_name, notebook="03_overlap")
 config = overlap.Config.for_profile(profile)
@@ -57,6 +69,7 @@ with measuring(overlap, config, profile) as progress, labkit.serve_in_thread(**o
     print(f"serving {server.engine.model.name} at {server.url}, batch limit {server.config.engine.max_batch}")
     tables = overlap.run(config, server=server, progress=progress)
 elapsed = progress.elapsed_s
+print(quiet_line(progress.machine))
 
 # %% [markdown]
 # ## What must hold whatever the timings
@@ -70,73 +83,101 @@ print(overlap.report(tables))
 # %% [markdown]
 # ## Levels
 #
-# Medians over the repetitions of each level. `back_to_back_s` is the sum of the same prompts'
-# solo runs; `speedup` divides it by the makespan. Requests that arrive together are admitted in
-# one step and prefilled one after another, and each first token is handed over as its own
-# prefill ends; so an early stream's first gap (first token to second) also holds every later
-# prefill of that step, which is what lifts the p99 gap at the larger levels.
+# Median and min–max over the repetitions of each level. `speedup` is the back-to-back baseline
+# (the level times the median level-1 makespan of this sweep) over the makespan, so level 1's own
+# speedups show the noise the others are read against; `steps` and `tokens_per_step` come from
+# the engine's step log. Requests that arrive together are admitted in one step; each first token
+# is handed over as its own prefill ends, so an early stream's first gap also holds the later
+# prefills of that step, which is what lifts the p99 gap at the larger levels.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-tables['levels'].groupby('level').median(numeric_only=True).drop(columns='repetition')
+overlap.levels_table(tables["levels"])
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+found = overlap.findings(tables)
+display(Markdown(found["levels"]))
 
 # %% [markdown]
-# ## Why the aggregate grows: the cost of a decode step
+# ## Why the aggregate grows: the cost of a decode step, in both modes
 #
 # The engine decodes every running sequence in one pass, so a step's cost is a fixed part plus a
-# part per sequence. The line is fitted through the median step time (no prefill in it) at each
-# batch size, measured on the served model beside a bare transformers forward.
+# part per sequence. Both modes are measured in the same run, every (batch, mode) point timed in
+# rounds interleaved with the others: batch-invariant (the engine's default, which runs every
+# decode matmul on row tiles so a row's result does not depend on its neighbours) and plain.
+# Look at whether the invariant mode's small batches cost what its tile-sized batch costs, and
+# whether `vs_smaller_batch` says any point is lower than the smaller batch's beyond the noise.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-tables['step_cost']
+tables["step_cost"]
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-tables['step_fit']
+display(tables["step_fit"])
+display(Markdown(found["step_cost"]))
 
 # %% [markdown]
 # ## Late joiners
 #
-# Short requests arrive at random moments while long streams are already decoding (every long
-# stream has its first token before the first joiner is sent), and on an idle engine. The columns
-# `background_running_*` confirm that the long streams were still running when each joiner was
-# sent and when its first token came back; `joiners_running_at_send` counts the earlier joiners
-# still running, since where a step is slow a short request lives long enough to overlap the
-# next one even on an "idle" engine.
+# Short requests into an idle engine (each sent a short pause after the previous one ended, so
+# none overlaps another) and at random moments while long streams decode (every long stream has
+# its first token before the first joiner is sent, and runs to its full length). The conditions
+# are named by the measured count of long streams running when the joiners were sent. Time to
+# first token is shown in seconds and in engine steps from the server taking the request to the
+# engine sampling its first token.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-overlap.joiners_table(tables['joiners'])
+overlap.joiners_table(tables["joiners"])
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-tables["joiners"].groupby("background")[["background_running_at_send", "joiners_running_at_send"]].agg(["min", "max"])
+display(Markdown(found["joiners"]))
 
 # %% [markdown]
 # ## First-token delivery: at the end of its own prefill, or at the end of the step
 #
-# Many requests arriving together are admitted in one step and prefilled one after another. If
-# every first token waits for the step to end, all of them arrive when the last prefill is done;
-# if each is handed over as soon as its own prefill is done, the early ones arrive sooner and the
-# last one no later. The chapter delivered at step end and left the other as an exercise; the
-# hub here does both (`first_token="prefill"` or `"step_end"`).
+# Many requests arriving together are admitted in one step and prefilled. If every first token
+# waits for the step to end, all of them arrive when the last prefill is done; if each is handed
+# over as soon as its own prefill is done, the early ones can arrive sooner and the last one no
+# later. The hub does both (`first_token="prefill"` or `"step_end"`); the two servers run side by
+# side and their repetitions are interleaved.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-overlap.delivery_table(tables['delivery'])
+overlap.delivery_table(tables["delivery"])
+
+# %% [markdown]
+# ## Verdicts
+#
+# Each hypothesis judged against its criterion, with the numbers that decided it.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+verdicts = overlap.verdicts(tables, config.joiner_steps)
+verdict_table(verdicts)
+
+# %% [markdown]
+# The verdicts that hold under both profiles (the tiny random model of the `ci` profile and
+# SmolLM2 of the `full` one) are checked when the notebook is tested:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(verdict_lines(v for v in verdicts if v.name in overlap.CHECKED))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 figures = overlap.plot(tables)
-written = save_run(overlap, config, profile, tables, elapsed, figures)
+written = save_run(overlap, config, profile, tables, elapsed, figures, machine=progress.machine)
 print("figures:", ", ".join(p.name for p in written["figures"]), "| results:", written["results"])
 
 # %% [markdown]
 # ## Beside the chapter
 #
 # The chapter's numbers come from a GPU, where a decode step is mostly fixed cost; on two CPU
-# cores a step costs more and grows faster with the batch, so the ratios matter more than the
+# cores a step costs more and grows faster with the batch, so compare ratios rather than
 # absolute figures. The `full` profile runs the chapter's sizes (32 streams, 64 tokens).
 
 # %%
@@ -145,10 +186,10 @@ chapter.overlap_beside(tables)
 
 # %% [markdown]
 # How to read it: the speedup over back-to-back serving is the direct measure of what overlap
-# buys, and the fitted line says where it comes from: when the per-sequence part of a step is
-# small against the fixed part, a step for many costs little more than a step for one. The price
-# is paid by each stream in its gap between tokens and, for requests that arrive together, in
-# the time to first token. A late joiner's first token should cost about the rest of one step
-# of the batch it joins plus its own prefill. It may grow with the number of running streams only
-# as far as that step grows with the batch (see the fitted line); growth beyond that would mean
-# joiners queue behind one another.
+# buys, and the step-cost lines say where it comes from: where the per-sequence part of a step
+# is small against the fixed part, a step for many costs little more than a step for one. Check
+# that against the plain mode too, since the invariant mode's tiles can make a small batch cost
+# what a full tile costs. The price is paid by each stream in its gap between tokens and, for
+# requests that arrive together, in the time to first token. A late joiner's first token should
+# take one step of the batch it joins plus its own prefill: compare the joiners' steps with 1,
+# and their seconds with the idle engine's.
