@@ -55,7 +55,10 @@ class Config:
 
     @classmethod
     def for_profile(cls, profile: Profile) -> Config:
-        return cls(model=profile.model)
+        if profile.full:
+            return cls(model=profile.model)
+        # ci drops the smallest events, the slowest to fill the buffers (tens of thousands of writes)
+        return cls(model=profile.model, event_sizes=(1024, 16384, 65536))
 
     def __post_init__(self) -> None:
         if not self.event_sizes or min(self.event_sizes) < 32:
