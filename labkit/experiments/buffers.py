@@ -343,8 +343,13 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
         for setting, field, style in (("net.ipv4.tcp_wmem", "max", "--"), ("net.ipv4.tcp_rmem", "default", ":")):
             if setting in limits.index:
                 value = int(limits.loc[setting, field])
-                ax.axhline(value / 1024, color="gray", ls=style, lw=1,
-                           label=f"{setting.split('.')[-1]} {field} (kernel): {value / 1024:,.0f} KiB")
+                ax.axhline(
+                    value / 1024,
+                    color="gray",
+                    ls=style,
+                    lw=1,
+                    label=f"{setting.split('.')[-1]} {field} (kernel): {value / 1024:,.0f} KiB",
+                )
     ax.set(
         xlabel="size of one event",
         ylabel="KiB written before a write blocked",

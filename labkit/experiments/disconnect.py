@@ -33,8 +33,8 @@ from labkit.experiments.client import run_sync
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.rawhttp import raw_stream
-from labkit.experiments.readings import Verdict, fetch_steps, span
 from labkit.experiments.rawreader import read_stream
+from labkit.experiments.readings import Verdict, fetch_steps, span
 from labkit.experiments.records import LeaveBy, StreamResult
 from labkit.experiments.servers import loaded_model, server_checks, server_like, wait_released
 from labkit.experiments.workload import bodies, long_prompts
@@ -367,12 +367,16 @@ def _waiting_in_steps(waiting: pd.DataFrame, steps: pd.DataFrame | None) -> str:
 def fin_rst_admitted(trials: pd.DataFrame) -> pd.DataFrame:
     """Starlette's class, clients that left before their first token: admitted per way of leaving."""
     early = trials[(trials.response_class == "starlette") & (trials.moment == "before_first")]
-    return early.groupby("leave_by").agg(
-        trials=("ever_admitted", "size"),
-        ever_admitted=("ever_admitted", "sum"),
-        tokens_generated_max=("tokens_generated", "max"),
-        hub_close_ms_median=("close_to_hub_close_ms", "median"),
-    ).reset_index()
+    return (
+        early.groupby("leave_by")
+        .agg(
+            trials=("ever_admitted", "size"),
+            ever_admitted=("ever_admitted", "sum"),
+            tokens_generated_max=("tokens_generated", "max"),
+            hub_close_ms_median=("close_to_hub_close_ms", "median"),
+        )
+        .reset_index()
+    )
 
 
 def _fin_rst_before_first(listen: pd.DataFrame) -> str:
@@ -486,9 +490,15 @@ def _plot_notice(trials: pd.DataFrame):
     for (kind, how), part in trials.groupby(["response_class", "leave_by"], sort=False):
         ms = np.sort(part.close_to_hub_close_ms.dropna().clip(lower=0.01).to_numpy())
         if len(ms):
-            left.step(ms, np.arange(1, len(ms) + 1) / len(ms), where="post", label=f"{kind.replace('_', '-')}, {how.upper()}")
-    left.set(xscale="log", xlabel="ms from the client's close to the hub's close", ylabel="share of trials",
-             title="When the server noticed")
+            left.step(
+                ms, np.arange(1, len(ms) + 1) / len(ms), where="post", label=f"{kind.replace('_', '-')}, {how.upper()}"
+            )
+    left.set(
+        xscale="log",
+        xlabel="ms from the client's close to the hub's close",
+        ylabel="share of trials",
+        title="When the server noticed",
+    )
     left.legend(fontsize="small")
     listen = trials[trials.response_class == "starlette"].dropna(subset=["hub_close_to_release_steps"])
     for offset, (how, part) in zip((-0.12, 0.12), listen.groupby("leave_by", sort=False)):
@@ -498,8 +508,11 @@ def _plot_notice(trials: pd.DataFrame):
     if len(listen):
         low, high = listen.hub_close_to_release_steps.min(), listen.hub_close_to_release_steps.max()
         right.set_ylim(min(0, low) - 0.5, max(2, high) + 0.5)
-    right.set(xticks=range(len(MOMENTS)), ylabel="engine steps from the hub's close to the release",
-              title="Starlette's class: release in steps")
+    right.set(
+        xticks=range(len(MOMENTS)),
+        ylabel="engine steps from the hub's close to the release",
+        title="Starlette's class: release in steps",
+    )
     right.set_xticklabels([m.replace("_", " ") for m in MOMENTS], rotation=20)
     right.legend(fontsize="small")
     return fig

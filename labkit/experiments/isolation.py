@@ -83,8 +83,10 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
             first_step = _current_step(srv.url)
             solo_ids, rows = _one_mode(srv, config, mode, progress)
             parts.append(add_margins(pd.DataFrame(rows), model, solo_ids))
-            solos += [{"mode": mode, "prompt": i, "tokens": len(ids), "token_ids": " ".join(map(str, ids))}
-                      for i, ids in enumerate(solo_ids)]
+            solos += [
+                {"mode": mode, "prompt": i, "tokens": len(ids), "token_ids": " ".join(map(str, ids))}
+                for i, ids in enumerate(solo_ids)
+            ]
             steps.append(fetch_steps(srv.url, since=first_step).assign(mode=mode))
     streams = pd.concat(parts, ignore_index=True)
     return {
@@ -95,7 +97,9 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
     }
 
 
-def _one_mode(srv: Any, config: Config, mode: str, progress: Progress | None) -> tuple[list[list[int]], list[dict[str, Any]]]:
+def _one_mode(
+    srv: Any, config: Config, mode: str, progress: Progress | None
+) -> tuple[list[list[int]], list[dict[str, Any]]]:
     """The solo token ids of every prompt, and a row per concurrent stream compared with its solo run."""
     doing(progress, f"{mode}: solo reference runs of {max(config.levels)} prompts")
     solo = run_sync(launch_in_turn(srv.url, bodies(config, max(config.levels))))
@@ -219,8 +223,19 @@ def levels_table(streams: pd.DataFrame) -> pd.DataFrame:
 def divergences(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """One row per stream that left its solo run: where (token index), when (engine step) and by what margin."""
     streams = _with_mode(tables["streams"])
-    columns = ["mode", "level", "repetition", "prompt", "first_diff", "admitted_step", "diverged_step",
-               "solo_token", "concurrent_token", "margin", "top2_margin"]
+    columns = [
+        "mode",
+        "level",
+        "repetition",
+        "prompt",
+        "first_diff",
+        "admitted_step",
+        "diverged_step",
+        "solo_token",
+        "concurrent_token",
+        "margin",
+        "top2_margin",
+    ]
     return streams.loc[~streams.identical, [c for c in columns if c in streams]].reset_index(drop=True)
 
 
@@ -331,7 +346,11 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
         title=f"First divergence per stream (top line: identical, {top} tokens)",
     )
     left.legend(fontsize="small")
-    right.set(ylim=(-0.05, 1.05), xlabel="concurrent streams", ylabel="share of streams that differed",
-              title="Streams that left their solo run")
+    right.set(
+        ylim=(-0.05, 1.05),
+        xlabel="concurrent streams",
+        ylabel="share of streams that differed",
+        title="Streams that left their solo run",
+    )
     right.legend(fontsize="small")
     return [fig]

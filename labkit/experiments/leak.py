@@ -271,8 +271,10 @@ def findings(tables: dict[str, pd.DataFrame]) -> str:
             if out.cache_whole.all()
             else "something was left behind: see the checked cell above"
         )
-        said.append(f"Not listening cost {100 * extra:+.0f}% in time (one run of each class: read the steps "
-                    f"beside the seconds); {left}.")
+        said.append(
+            f"Not listening cost {100 * extra:+.0f}% in time (one run of each class: read the steps "
+            f"beside the seconds); {left}."
+        )
     return " ".join(said)
 
 
@@ -349,10 +351,17 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
         right.text(0.5, 0.5, "no step log in this run", ha="center", va="center", transform=right.transAxes)
     else:
         for kind, group in steps.groupby("response_class", sort=False):
-            right.plot(group.step - group.step.min(), group.decoded.rolling(10, min_periods=1).mean(), lw=1.2,
-                       label=kind.replace("_", "-"))
-    right.set(xlabel="engine steps since the class's first", ylabel="sequences decoded per step (mean of 10)",
-              title="The batch over the plan")
+            right.plot(
+                group.step - group.step.min(),
+                group.decoded.rolling(10, min_periods=1).mean(),
+                lw=1.2,
+                label=kind.replace("_", "-"),
+            )
+    right.set(
+        xlabel="engine steps since the class's first",
+        ylabel="sequences decoded per step (mean of 10)",
+        title="The batch over the plan",
+    )
     if right.lines:
         right.legend()
     return [fig]
