@@ -21,8 +21,25 @@
 # connects, sends its request and then reads nothing shows how much they hold together. The
 # server writes SSE events of a fixed size as fast as the connection takes them and times every
 # write; the first write that does not return within the block threshold marks where the writer
-# had to wait. Event sizes (settings, not measurements): an ordinary token event, then 1 KiB, 16 KiB
-# and 64 KiB.
+# had to wait. Event sizes (settings, not measurements): about an ordinary token event, then
+# 1 KiB, 16 KiB and 64 KiB, repeated in the order A B C D, A B C D, … The kernel's own limits
+# (`net.ipv4.tcp_wmem` and `tcp_rmem`) are read from `/proc` in the same run and drawn as
+# reference lines; one ordinary token stream is read to the end to turn bytes into tokens.
+#
+# ## Hypotheses, and what would falsify each (stated before measuring)
+#
+# - **every_flood_blocks**: a client that reads nothing makes the server's write block once the
+#   buffers are full. Falsified if any flood ends, or times out, without a blocked write.
+# - **server_finishes_after_leave**: after the client leaves by RST the server ends the response.
+#   Falsified if any response is still unfinished at the timeout.
+# - **bounded_by_the_kernel**: what the path absorbs is at most the kernel's largest send buffer
+#   (`tcp_wmem` max) plus the client's receive buffer, the server transport's high-water mark and
+#   one event. Falsified if any flood accepted more.
+# - **send_buffer_grows**: the server's side holds more than the kernel's default send buffer
+#   (`tcp_wmem` default): Linux grows it while data waits. Falsified if any flood's bytes on the
+#   server's side (accepted minus what sat in the client) are at most that default.
+# - **bytes_not_events**: the buffers hold bytes, not events: the amount absorbed hardly depends
+#   on the event size. Falsified if the medians of two event sizes differ by more than 1.5×.
 
 # %% tags=["parameters"]
 # Parameters: papermill replaces this cell's values (`papermill -p profile_name ci`).
@@ -40,6 +57,8 @@ from labkit.experiments import chapter, buffers
 from labkit.experiments.results import save_run
 from labkit.experiments.notebook import settings_table, setup_notebook
 from labkit.experiments.progress import measuring
+from labkit.experiments.readings import quiet_line, verdict_lines, verdict_table
+from IPython.display import Markdown, display
 
 profile = setup_notebook(profile_name, model_name, notebook="04_buffers")
 config = buffers.Config.for_profile(profile)
@@ -51,6 +70,7 @@ with measuring(buffers, config, profile) as progress, labkit.serve_in_thread(**b
     print(f"serving {server.engine.model.name} at {server.url}, batch limit {server.config.engine.max_batch}")
     tables = buffers.run(config, server=server, progress=progress)
 elapsed = progress.elapsed_s
+print(quiet_line(progress.machine))
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -72,7 +92,7 @@ tables['kernel']
 # %%
 # NBVAL_IGNORE_OUTPUT
 figures = buffers.plot(tables)
-written = save_run(buffers, config, profile, tables, elapsed, figures)
+written = save_run(buffers, config, profile, tables, elapsed, figures, machine=progress.machine)
 print("figures:", ", ".join(p.name for p in written["figures"]), "| results:", written["results"])
 
 # %% [markdown]
@@ -82,17 +102,23 @@ print("figures:", ", ".join(p.name for p in written["figures"]), "| results:", w
 # NBVAL_IGNORE_OUTPUT
 chapter.buffers_beside(tables)
 
+# %% [markdown]
+# ## Verdicts
+#
+# The chapter's figure came from its own machine (see the table above); on Linux the answer is a
+# property of the kernel's settings, not of the application, so read it against the reference
+# lines. Then ask what it means in tokens: how many ordinary token events fit before a writer
+# blocks, and how many 64 KiB events (the padding notebook 05 uses to make a slow reader felt).
+
 # %%
 # NBVAL_IGNORE_OUTPUT
-smallest = int(tables["by_size"].bytes_accepted_min.min())
-for per_token in (75, 64 * 1024 + 75):
-    print(f"at {per_token:,} bytes per token, {smallest:,} bytes hold about {smallest // per_token:,} tokens")
+verdicts = buffers.verdicts(tables)
+display(Markdown(buffers.findings(tables)))
+verdict_table(verdicts)
 
 # %% [markdown]
-# The chapter found about a quarter to a third of a megabyte on its machine; Linux grows a
-# socket's send buffer on its own (up to the `tcp_wmem` maximum) while data is queued, so on
-# this stack the figure is a property of the kernel's settings, not of the application. Either
-# way the consequence is the same: at seventy-odd bytes per token, a whole answer of a few
-# hundred tokens fits in buffers long before a writer blocks, so a slow reader of ordinary token
-# events never pushes back on the server. It takes large events, like the 64 KiB padding used in
-# notebook 05, before a slow client is felt at all.
+# The verdicts that hold on any model (the kernel is the same under every profile; checked by CI):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(verdict_lines(v for v in verdicts if v.name in buffers.CHECKED))

@@ -7,11 +7,14 @@ Each is repeated (6 times in ``full``) against two servers that differ in one th
 response class. Starlette's ``StreamingResponse`` listens for the disconnect and cancels the body;
 the write-only class never listens, as Starlette's own does on servers that speak ASGI 2.4.
 
-Measured, per trial: the time from the client's close (its clock) to the release of the stream's
-blocks (the engine's finish event), both ``time.perf_counter()`` in this process; the time the
-hub's ``close()`` ran; and tokens generated that nobody read (the server's count minus the
-client's). Trials run a few at once (two repetitions, FIN and RST): each is timed on its own
-stream's timestamps, and four streams is exactly the batch limit.
+Measured, per trial: the time from the client's close (its clock) to the hub's ``close()`` (the
+server noticed), and to the release of the stream's blocks (the engine's finish event), both
+``time.perf_counter()`` in this process; the release also in engine steps after the hub's close
+(the engine applies a cancel at its next step boundary, so one step is the expected answer, and
+the seconds are then that step's duration); and tokens generated that nobody read (the server's
+count minus the client's). Trials run a few at once (two repetitions, FIN and RST interleaved):
+each is timed on its own stream's timestamps, and four streams is exactly the batch limit. The
+engine's step log of each server is kept (``steps``), so a step's duration can be read beside.
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from labkit.experiments.chapter import beside, span
+from labkit.experiments.chapter import beside
+from labkit.experiments.chapter import span as low_high
 from labkit.experiments.client import run_sync
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.rawhttp import raw_stream
 from labkit.experiments.rawreader import read_stream
+from labkit.experiments.readings import Verdict, fetch_steps, span
 from labkit.experiments.records import LeaveBy, StreamResult
 from labkit.experiments.servers import loaded_model, server_checks, server_like, wait_released
 from labkit.experiments.workload import bodies, long_prompts
@@ -45,7 +50,7 @@ class Config:
     repetitions: int = 6
     at_once: int = 2  # repetitions run together (each with FIN and RST): 4 streams, the batch limit
     max_batch: int = 4
-    max_new_tokens: int = 48  # the chapter's 200 would make each write-only trial four times longer
+    max_new_tokens: int = 32  # the chapter's 200 would make each write-only trial six times longer
     early_tokens: int = 2
     end_margin: int = 4  # "near the end" leaves this many tokens before max_new_tokens
     blocker_tokens: int = 16  # the streams that fill the batch for the "waiting" moment
@@ -59,7 +64,7 @@ class Config:
     def for_profile(cls, profile: Profile) -> Config:
         if profile.full:
             return cls(model=profile.model)
-        return cls(model=profile.model, repetitions=2, max_new_tokens=24, blocker_tokens=12)
+        return cls(model=profile.model, repetitions=4, max_new_tokens=24, blocker_tokens=12)
 
     def __post_init__(self) -> None:
         if set(self.moments) - set(MOMENTS) or set(self.response_classes) - set(CLASSES):
@@ -102,10 +107,10 @@ def leave_after(config: Config, moment: str) -> int:
 def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
     model = loaded_model(server, config.model)
     prompts = long_prompts(model, config.max_new_tokens)
-    rows, checks = [], []
+    rows, checks, steps = [], [], []
     for kind in config.response_classes:
         with server_like(server, model, **_settings(config, kind)) as srv:
-            before = books(srv)
+            before, first_step = books(srv), current_step(srv.url)
             for moment in config.moments:
                 for first in range(0, config.repetitions, config.at_once):
                     reps = range(first, min(first + config.at_once, config.repetitions))
@@ -116,8 +121,21 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
                     rows += run_sync(trial_group(srv, config, prompts, kind, moment, list(reps)))
                     tick(progress, trials=rows)
             checks.append({"response_class": kind, **release_books(srv, before), **server_checks(srv)})
+            steps.append(fetch_steps(srv.url, since=first_step).assign(response_class=kind))
     trials = pd.DataFrame(rows)
-    return {"trials": trials, "by_moment": by_moment(trials), "checks": pd.DataFrame(checks)}
+    return {
+        "trials": trials,
+        "by_moment": by_moment(trials),
+        "checks": pd.DataFrame(checks),
+        "steps": pd.concat(steps, ignore_index=True),
+    }
+
+
+def current_step(url: str) -> int:
+    """The number of the server's latest engine step, over HTTP (``GET /lab/steps``)."""
+    import httpx
+
+    return int(httpx.get(f"{url.rstrip('/')}/lab/steps", params={"since": 1 << 62}, timeout=10).json()["step"])
 
 
 # --------------------------------------------------------------------------- one group of trials
@@ -180,10 +198,18 @@ def trial_row(kind: str, moment: str, rep: int, how: str, r: StreamResult, rec: 
         "ever_admitted": sampled is not None,
         "close_to_release_ms": since_left(getattr(rec, "released", None)),
         "close_to_hub_close_ms": since_left(getattr(rec, "closed", None)),
+        "hub_close_to_release_steps": _steps_between(rec),
         "engine_finish": getattr(rec, "finish_reason", None),
         "left": r.left is not None,
         "error": r.error,
     }
+
+
+def _steps_between(rec: Any) -> float:
+    """Engine steps from the hub's close to the release: 1 when the next step boundary let go;
+    0 or less when the stream had ended by itself before the close."""
+    at_close, released = getattr(rec, "steps_at_close", None), getattr(rec, "release_step", None)
+    return np.nan if at_close is None or released is None else float(released - at_close)
 
 
 # --------------------------------------------------------------------------- books and tables
@@ -224,8 +250,12 @@ def by_moment(trials: pd.DataFrame) -> pd.DataFrame:
     return grouped.agg(
         trials=("tokens_read", "size"),
         tokens_read_max=("tokens_read", "max"),
+        hub_close_ms_median=("close_to_hub_close_ms", "median"),
+        hub_close_ms_max=("close_to_hub_close_ms", "max"),
         release_ms_median=("close_to_release_ms", "median"),
         release_ms_max=("close_to_release_ms", "max"),
+        release_steps_median=("hub_close_to_release_steps", "median"),
+        release_steps_max=("hub_close_to_release_steps", "max"),
         unread_median=("tokens_unread", "median"),
         unread_max=("tokens_unread", "max"),
         admitted_before_leave=("admitted_before_leave", "sum"),
@@ -256,13 +286,13 @@ def beside_chapter(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
             (
                 "Starlette's class: largest close-to-release",
                 "34.5",
-                span([listen.close_to_release_ms.max()], "{:.1f}"),
+                low_high([listen.close_to_release_ms.max()], "{:.1f}"),
                 "ms",
             ),
             (
                 "Starlette's class: tokens generated that nobody read",
                 "at most 1",
-                span(listen.tokens_unread, "{:.0f}"),
+                low_high(listen.tokens_unread, "{:.0f}"),
                 "tokens",
             ),
             (
@@ -283,7 +313,7 @@ def beside_chapter(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
                 f"{int((write.engine_finish == 'length').sum())} of {len(write)} (limit {int(write.tokens_generated.max())})",
                 "streams",
             ),
-            ("write-only: tokens the clients had read", "0–20", span(abandoned.tokens_read, "{:.0f}"), "tokens"),
+            ("write-only: tokens the clients had read", "0–20", low_high(abandoned.tokens_read, "{:.0f}"), "tokens"),
         ]
     )
 
@@ -296,20 +326,118 @@ def findings(tables: dict[str, pd.DataFrame]) -> str:
     if len(listen):
         waiting = listen[listen.moment == "waiting"]
         said.append(
-            f"With Starlette's class the engine released a departed client's stream a median of "
-            f"{listen.close_to_release_ms.median():.0f} ms after the close (largest "
-            f"{listen.close_to_release_ms.max():.0f} ms), with at most {int(listen.tokens_unread.max())} "
-            f"token(s) generated that nobody read; {int(waiting.ever_admitted.sum())} of {len(waiting)} "
-            f"requests left while waiting were ever admitted."
+            f"With Starlette's class the hub closed a departed client's stream "
+            f"{span(listen.close_to_hub_close_ms, '{:.1f}', ' ms')} after the client's close "
+            f"(median, min–max over {len(listen)} trials), and the engine released it "
+            f"{span(listen.close_to_release_ms, '{:.0f}', ' ms')} after the close, with at most "
+            f"{int(listen.tokens_unread.max())} token(s) generated that nobody read; "
+            f"{int(waiting.ever_admitted.sum())} of {len(waiting)} requests left while waiting were ever admitted."
         )
+        said.append(_waiting_in_steps(waiting, tables.get("steps")))
+        said.append(_fin_rst_before_first(listen))
     write = trials[trials.response_class == "write_only"]
     if len(write):
         said.append(
             f"With the write-only class {int((write.engine_finish == 'length').sum())} of {len(write)} "
-            f"abandoned streams ran to their limit of {int(write.tokens_generated.max())} tokens, released a "
-            f"median of {write.close_to_release_ms.median() / 1000:.1f} s after their clients had gone."
+            f"abandoned streams ran to their limit of {int(write.tokens_generated.max())} tokens, released "
+            f"{span(write.close_to_release_ms / 1000, '{:.1f}', ' s')} after their clients had gone."
         )
-    return " ".join(said)
+    return " ".join(x for x in said if x)
+
+
+def _waiting_in_steps(waiting: pd.DataFrame, steps: pd.DataFrame | None) -> str:
+    """Close → release of a request that left while it waited, told in steps and step durations."""
+    if waiting.empty or waiting.hub_close_to_release_steps.isna().all():
+        return ""
+    text = (
+        f"A request that left while waiting was released {span(waiting.hub_close_to_release_steps, '{:.0f}')} "
+        f"step(s) after the hub's close (the engine applies a cancel at its next step boundary)"
+    )
+    if steps is not None and len(steps) and waiting.hub_close_to_release_steps.max() <= 1:
+        mine = steps[steps.response_class == "starlette"] if "response_class" in steps else steps
+        text += (
+            f"; this server's steps lasted {span(mine.seconds * 1000, '{:.0f}', ' ms')}, so its "
+            f"{span(waiting.close_to_release_ms, '{:.0f}', ' ms')} from close to release is "
+            f"{span(waiting.close_to_hub_close_ms, '{:.0f}', ' ms')} for the server to notice plus the step "
+            f"then running"
+        )
+    return text + "."
+
+
+def fin_rst_admitted(trials: pd.DataFrame) -> pd.DataFrame:
+    """Starlette's class, clients that left before their first token: admitted per way of leaving."""
+    early = trials[(trials.response_class == "starlette") & (trials.moment == "before_first")]
+    return (
+        early.groupby("leave_by")
+        .agg(
+            trials=("ever_admitted", "size"),
+            ever_admitted=("ever_admitted", "sum"),
+            tokens_generated_max=("tokens_generated", "max"),
+            hub_close_ms_median=("close_to_hub_close_ms", "median"),
+        )
+        .reset_index()
+    )
+
+
+def _fin_rst_before_first(listen: pd.DataFrame) -> str:
+    table = fin_rst_admitted(listen)
+    if len(table) < 2:
+        return ""
+    counts = {r.leave_by: (int(r.ever_admitted), int(r.trials)) for r in table.itertuples()}
+    (fa, fn), (ra, rn) = counts.get("fin", (0, 0)), counts.get("rst", (0, 0))
+    same = fa * rn == ra * fn
+    verdict = "the same share" if same else "a different share"
+    return (
+        f"Clients that left before their first token: {fa} of {fn} leaving by FIN and {ra} of {rn} leaving by RST "
+        f"were admitted (prefilled) anyway, {verdict} in this run."
+    )
+
+
+def verdicts(tables: dict[str, pd.DataFrame]) -> list[Verdict]:
+    """The hypotheses of the disconnect half of notebook 06, judged against their criteria."""
+    trials = tables["trials"]
+    listen = trials[trials.response_class == "starlette"]
+    write = trials[trials.response_class == "write_only"]
+    waiting = listen[listen.moment == "waiting"]
+    gone = listen.dropna(subset=["hub_close_to_release_steps"])
+    late = gone[gone.hub_close_to_release_steps > 2]
+    short = write[write.engine_finish != "length"]
+    fr = fin_rst_admitted(trials).set_index("leave_by")
+    share = (fr.ever_admitted / fr.trials).to_dict() if len(fr) else {}
+    return [
+        Verdict(
+            "listening_releases_within_two_steps",
+            "with Starlette's class the engine lets go of a departed client's stream within 2 steps of the hub's close",
+            "any Starlette trial released more than 2 steps after the hub's close",
+            bool(len(gone)) and late.empty,
+            f"{len(late)} of {len(gone)} trials later than 2 steps; steps: "
+            + span(gone.hub_close_to_release_steps, "{:.0f}"),
+        ),
+        Verdict(
+            "waiting_never_admitted",
+            "a request whose client left while it waited is never admitted (Starlette's class)",
+            "any such request gets a slot",
+            bool(len(waiting)) and not waiting.ever_admitted.any(),
+            f"{int(waiting.ever_admitted.sum())} of {len(waiting)} admitted",
+        ),
+        Verdict(
+            "write_only_runs_to_limit",
+            "with the write-only class every abandoned stream is generated to its limit",
+            "any write-only stream ends before max_new_tokens",
+            bool(len(write)) and short.empty,
+            f"{len(short)} of {len(write)} ended early",
+        ),
+        Verdict(
+            "fin_rst_alike_before_first",
+            "how a client closes (FIN or RST) before its first token does not change whether its request is admitted",
+            "the admitted shares of FIN and RST clients differ in the same run",
+            len(share) == 2 and share.get("fin") == share.get("rst"),
+            "; ".join(f"{k.upper()}: {int(fr.ever_admitted[k])} of {int(fr.trials[k])} admitted" for k in fr.index),
+        ),
+    ]
+
+
+CHECKED = ("listening_releases_within_two_steps", "waiting_never_admitted", "write_only_runs_to_limit")
 
 
 def report(tables: dict[str, pd.DataFrame]) -> str:
@@ -347,7 +475,47 @@ def _behaviour(trials: pd.DataFrame) -> list[str]:
 
 
 def plot(tables: dict[str, pd.DataFrame]) -> list:
-    return [_plot_release(tables["trials"]), _plot_unread(tables["trials"])]
+    figures = [_plot_release(tables["trials"]), _plot_unread(tables["trials"])]
+    if {"close_to_hub_close_ms", "hub_close_to_release_steps"} <= set(tables["trials"].columns):
+        figures.insert(1, _plot_notice(tables["trials"]))
+    return figures
+
+
+def _plot_notice(trials: pd.DataFrame):
+    """The best evidence: how soon after the client's close the server closed the stream (every
+    trial, per class and way of leaving); and the steps from that close to the release."""
+    from labkit.plots import new_figure
+
+    fig, (left, right) = new_figure("disconnect_notice", ncols=2)
+    for (kind, how), part in trials.groupby(["response_class", "leave_by"], sort=False):
+        ms = np.sort(part.close_to_hub_close_ms.dropna().clip(lower=0.01).to_numpy())
+        if len(ms):
+            left.step(
+                ms, np.arange(1, len(ms) + 1) / len(ms), where="post", label=f"{kind.replace('_', '-')}, {how.upper()}"
+            )
+    left.set(
+        xscale="log",
+        xlabel="ms from the client's close to the hub's close",
+        ylabel="share of trials",
+        title="When the server noticed",
+    )
+    left.legend(fontsize="small")
+    listen = trials[trials.response_class == "starlette"].dropna(subset=["hub_close_to_release_steps"])
+    for offset, (how, part) in zip((-0.12, 0.12), listen.groupby("leave_by", sort=False)):
+        xs = [MOMENTS.index(m) + offset for m in part.moment]
+        right.scatter(xs, part.hub_close_to_release_steps, s=14, alpha=0.7, label=how.upper())
+    right.axhline(1, color="gray", lw=0.8, ls=":")
+    if len(listen):
+        low, high = listen.hub_close_to_release_steps.min(), listen.hub_close_to_release_steps.max()
+        right.set_ylim(min(0, low) - 0.5, max(2, high) + 0.5)
+    right.set(
+        xticks=range(len(MOMENTS)),
+        ylabel="engine steps from the hub's close to the release",
+        title="Starlette's class: release in steps",
+    )
+    right.set_xticklabels([m.replace("_", " ") for m in MOMENTS], rotation=20)
+    right.legend(fontsize="small")
+    return fig
 
 
 def _plot_release(trials: pd.DataFrame):

@@ -21,10 +21,11 @@ import pandas as pd
 
 from labkit.experiments.chapter import beside
 from labkit.experiments.client import run_sync
-from labkit.experiments.disconnect import CLASSES, books, release_books
+from labkit.experiments.disconnect import CLASSES, books, current_step, release_books
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.rawreader import read_stream
+from labkit.experiments.readings import Verdict, fetch_steps
 from labkit.experiments.records import LeaveBy, StreamResult
 from labkit.experiments.servers import loaded_model, server_checks, server_like, wait_released
 from labkit.experiments.workload import long_prompts, stream_body
@@ -61,9 +62,18 @@ class Config:
     @classmethod
     def for_profile(cls, profile: Profile) -> Config:
         if profile.full:
-            # 300 streams would take about 6 minutes here (each prefill alone costs ~150 ms on two
-            # cores); 150 keeps the three failure experiments near 12 minutes together.
-            return cls(model=profile.model, streams=150)
+            # The chapter's 300 streams, made short and run many at once so that both classes fit
+            # in about 2 minutes on two cores: 16 tokens each, 32 in the batch (a B=32 step costs
+            # ~140 ms for 32 tokens, against ~85 ms for 8 at B=8). Write-only, the heavier class:
+            # 300 x 16 tokens = 150 full steps (~21 s) plus 300 prefills (~15 s).
+            return cls(
+                model=profile.model,
+                concurrency=64,
+                max_batch=32,
+                max_new_tokens=16,
+                early_range=(0, 12),
+                slow_leave_after=(3, 10),
+            )
         return cls(
             model=profile.model,
             streams=40,
@@ -120,22 +130,34 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
     model = loaded_model(server, config.model)
     prompts = long_prompts(model, config.max_new_tokens)
     clients = plan(config)
-    rows, outcomes = [], []
+    rows, outcomes, steps = [], [], []
     for kind in config.response_classes:
         with server_like(server, model, **_settings(config, kind)) as srv:
-            before = books(srv)
+            before, first_step = books(srv), current_step(srv.url)
             doing(progress, f"{kind}: {len(clients)} streams, {config.concurrency} at a time")
             t0 = time.perf_counter()
             results = run_sync(run_clients(srv.url, config, clients, prompts))
             records = run_sync(wait_released(srv.hub, [r.request_id for r in results], timeout=config.timeout))
             elapsed = time.perf_counter() - t0  # until the engine let go of the last stream, zombies included
             rows += [stream_row(kind, c, r, rec) for c, r, rec in zip(clients, results, records)]
+            mine = fetch_steps(srv.url, since=first_step).assign(response_class=kind)
+            steps.append(mine)
             outcomes.append(
-                {"response_class": kind, "total_s": elapsed, **server_checks(srv), **release_books(srv, before)}
+                {
+                    "response_class": kind,
+                    "total_s": elapsed,
+                    "busy_steps": int(((mine.decoded > 0) | (mine.prefilled > 0)).sum()),
+                    **server_checks(srv),
+                    **release_books(srv, before),
+                }
             )
             tick(progress, streams=rows, outcome=outcomes)
     streams = pd.DataFrame(rows)
-    return {"streams": streams, "outcome": outcome_table(pd.DataFrame(outcomes), streams)}
+    return {
+        "streams": streams,
+        "outcome": outcome_table(pd.DataFrame(outcomes), streams),
+        "steps": pd.concat(steps, ignore_index=True),
+    }
 
 
 async def run_clients(url: str, config: Config, clients: list[Client], prompts: list[int]) -> list[StreamResult]:
@@ -238,7 +260,8 @@ def findings(tables: dict[str, pd.DataFrame]) -> str:
     said = [
         f"{kind.replace('_', '-')}: {int(row.left_early)} of {int(row.streams)} clients left early; the engine "
         f"generated {row.generated_per_read_leavers:.1f} tokens for every token they read, and the whole plan "
-        f"took {row.total_s:.1f} s."
+        f"took {row.total_s:.1f} s"
+        + (f" ({int(row.busy_steps)} engine steps)." if "busy_steps" in row and pd.notna(row.busy_steps) else ".")
         for kind, row in out.iterrows()
     ]
     if {"starlette", "write_only"} <= set(out.index):
@@ -248,8 +271,43 @@ def findings(tables: dict[str, pd.DataFrame]) -> str:
             if out.cache_whole.all()
             else "something was left behind: see the checked cell above"
         )
-        said.append(f"Not listening cost {100 * extra:+.0f}% in time; {left}.")
+        said.append(
+            f"Not listening cost {100 * extra:+.0f}% in time (one run of each class: read the steps "
+            f"beside the seconds); {left}."
+        )
     return " ".join(said)
+
+
+def verdicts(tables: dict[str, pd.DataFrame]) -> list[Verdict]:
+    """The hypotheses of the leak half of notebook 06, judged against their criteria."""
+    lines = report(tables).splitlines()
+    failed = [line for line in lines if "FAILED" in line]
+    out = tables["outcome"].set_index("response_class")
+    verdicts = [
+        Verdict(
+            "nothing_leaks",
+            "after every client of the plan has come and gone, either response class gives back every "
+            "block, reservation and stream exactly once",
+            "any check of the books fails for either class (cache, reservations, streams, finishes, releases, errors)",
+            bool(lines) and not failed,
+            "; ".join(failed) if failed else f"{len(lines)} classes, every check passed",
+        )
+    ]
+    if {"starlette", "write_only"} <= set(out.index):
+        listen, write = out.loc["starlette"], out.loc["write_only"]
+        verdicts.append(
+            Verdict(
+                "listening_saves_work",
+                "a response that listens for the disconnect generates fewer tokens per token its leavers read",
+                "Starlette's class generates at least as many tokens per token read by leavers as the write-only class",
+                bool(listen.generated_per_read_leavers < write.generated_per_read_leavers),
+                f"{listen.generated_per_read_leavers:.2f} against {write.generated_per_read_leavers:.2f} tokens per token read",
+            )
+        )
+    return verdicts
+
+
+CHECKED = ("nothing_leaks",)
 
 
 def report(tables: dict[str, pd.DataFrame]) -> str:
@@ -273,9 +331,12 @@ def report(tables: dict[str, pd.DataFrame]) -> str:
 
 
 def plot(tables: dict[str, pd.DataFrame]) -> list:
+    """Left: per client that left, tokens read against tokens generated. Right: the engine's batch
+    over the run in steps (sequences decoded per step, from the step log), one line per response
+    class: what the zombies of the write-only class occupy, and for how many steps."""
     from labkit.plots import new_figure
 
-    streams, outcome = tables["streams"], tables["outcome"]
+    streams = tables["streams"]
     fig, (left, right) = new_figure("leak_work", ncols=2)
     for kind, group in streams[streams.left].groupby("response_class", sort=False):
         left.scatter(group.tokens_read, group.tokens_generated, s=10, alpha=0.6, label=kind.replace("_", "-"))
@@ -285,6 +346,22 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
         title="Clients that left early",
     )
     left.legend()
-    right.bar(outcome.response_class.str.replace("_", "-"), outcome.total_s)
-    right.set(ylabel="s for every stream of the plan", title="Total time")
+    steps = tables.get("steps")
+    if steps is None or steps.empty:
+        right.text(0.5, 0.5, "no step log in this run", ha="center", va="center", transform=right.transAxes)
+    else:
+        for kind, group in steps.groupby("response_class", sort=False):
+            right.plot(
+                group.step - group.step.min(),
+                group.decoded.rolling(10, min_periods=1).mean(),
+                lw=1.2,
+                label=kind.replace("_", "-"),
+            )
+    right.set(
+        xlabel="engine steps since the class's first",
+        ylabel="sequences decoded per step (mean of 10)",
+        title="The batch over the plan",
+    )
+    if right.lines:
+        right.legend()
     return [fig]
