@@ -9,6 +9,7 @@ import labkit
 from labkit.experiments import overlap
 from labkit.experiments.client import launch_streams, run_sync
 from labkit.experiments.profiles import Profile
+from labkit.experiments.readings import current_step
 from labkit.experiments.readings import fetch_steps
 
 
@@ -92,7 +93,7 @@ def test_joiners_into_an_idle_engine_never_overlap_and_are_counted_in_steps():
     and each first token is sampled by the step after the server took the request."""
     config = overlap.Config.for_profile(Profile("ci"))
     with labkit.serve_in_thread(**overlap.server_options(config)) as server:
-        since = overlap.current_step(server.url)
+        since = current_step(server.url)
         rows = run_sync(overlap._idle_round(server.url, config, [0.0, 0.0, 0.0]))
         steps = fetch_steps(server.url, since)
         counted = overlap.first_token_steps(server.url, [r.pop("result") for r in rows], steps)

@@ -37,7 +37,7 @@ from labkit.experiments.client import async_client, launch_streams, run_sync
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.rawhttp import RawConnection
-from labkit.experiments.readings import Verdict, fetch_steps, interleaved, span
+from labkit.experiments.readings import Verdict, current_step, fetch_steps, interleaved, span
 from labkit.experiments.servers import serving
 
 NAME = "buffers"
@@ -78,7 +78,7 @@ def units(config: Config) -> int:
 def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
     rows = []
     with serving(server, **server_options(config)) as srv:
-        first_step = _current_step(srv.url)
+        first_step = current_step(srv.url)
         for rep, size in interleaved(config.event_sizes, config.repetitions):
             doing(progress, f"{size:,}-byte events, repetition {rep + 1}/{config.repetitions}")
             rows.append({"event_bytes": size, "repetition": rep, **run_sync(flood_once(srv.url, size, config))})
@@ -94,12 +94,6 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
         "token_events": tokens,
         "steps": steps,
     }
-
-
-def _current_step(url: str) -> int:
-    import httpx
-
-    return int(httpx.get(f"{url.rstrip('/')}/lab/steps", params={"since": 1 << 62}, timeout=10).json()["step"])
 
 
 def token_events(url: str, tokens: int) -> pd.DataFrame:

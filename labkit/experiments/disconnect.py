@@ -34,7 +34,7 @@ from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.rawhttp import raw_stream
 from labkit.experiments.rawreader import read_stream
-from labkit.experiments.readings import Verdict, fetch_steps, span
+from labkit.experiments.readings import Verdict, current_step, fetch_steps, span
 from labkit.experiments.records import LeaveBy, StreamResult
 from labkit.experiments.servers import loaded_model, server_checks, server_like, wait_released
 from labkit.experiments.workload import bodies, long_prompts
@@ -129,13 +129,6 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
         "checks": pd.DataFrame(checks),
         "steps": pd.concat(steps, ignore_index=True),
     }
-
-
-def current_step(url: str) -> int:
-    """The number of the server's latest engine step, over HTTP (``GET /lab/steps``)."""
-    import httpx
-
-    return int(httpx.get(f"{url.rstrip('/')}/lab/steps", params={"since": 1 << 62}, timeout=10).json()["step"])
 
 
 # --------------------------------------------------------------------------- one group of trials

@@ -24,7 +24,7 @@ import pandas as pd
 from labkit.experiments.client import launch_in_turn, launch_streams, run_sync
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
-from labkit.experiments.readings import Verdict, fetch_steps, span
+from labkit.experiments.readings import Verdict, current_step, fetch_steps, span
 from labkit.experiments.servers import loaded_model, server_like
 from labkit.prompts import PROMPTS
 
@@ -80,7 +80,7 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
     parts, solos, steps = [], [], []
     for mode in config.modes:
         with server_like(server, model, **_settings(config, mode)) as srv:
-            first_step = _current_step(srv.url)
+            first_step = current_step(srv.url)
             solo_ids, rows = _one_mode(srv, config, mode, progress)
             parts.append(add_margins(pd.DataFrame(rows), model, solo_ids))
             solos += [
@@ -115,12 +115,6 @@ def _one_mode(
                 rows.append({**row, **_divergence_step(srv.url, r.request_id, row["first_diff"])})
             tick(progress, streams=rows)
     return solo_ids, rows
-
-
-def _current_step(url: str) -> int:
-    import httpx
-
-    return int(httpx.get(f"{url}/lab/steps", params={"since": 1 << 62}, timeout=10).json()["step"])
 
 
 def _divergence_step(url: str, rid: str | None, index: int | None) -> dict[str, Any]:

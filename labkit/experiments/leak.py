@@ -21,11 +21,11 @@ import pandas as pd
 
 from labkit.experiments.chapter import beside
 from labkit.experiments.client import run_sync
-from labkit.experiments.disconnect import CLASSES, books, current_step, release_books
+from labkit.experiments.disconnect import CLASSES, books, release_books
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.rawreader import read_stream
-from labkit.experiments.readings import Verdict, fetch_steps
+from labkit.experiments.readings import Verdict, current_step, fetch_steps
 from labkit.experiments.records import LeaveBy, StreamResult
 from labkit.experiments.servers import loaded_model, server_checks, server_like, wait_released
 from labkit.experiments.workload import long_prompts, stream_body

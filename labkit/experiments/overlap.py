@@ -46,7 +46,7 @@ from labkit.experiments.client import (
 )
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
-from labkit.experiments.readings import Verdict, fetch_steps, interleaved, span, spread
+from labkit.experiments.readings import Verdict, current_step, fetch_steps, interleaved, span, spread
 from labkit.experiments.servers import serving
 from labkit.prompts import PROMPTS
 
@@ -188,13 +188,6 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
 
 
 # --------------------------------------------------------------------------- the step clock
-
-
-def current_step(url: str, timeout: float = 10.0) -> int:
-    """The number of the engine's last step, over HTTP (``GET /lab/steps``)."""
-    r = httpx.get(f"{url.rstrip('/')}/lab/steps", params={"since": 2**62}, timeout=timeout, trust_env=False)
-    r.raise_for_status()
-    return int(r.json()["step"])
 
 
 def steps_between(steps: pd.DataFrame, start: float | None, end: float | None) -> int | None:

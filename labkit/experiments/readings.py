@@ -35,6 +35,7 @@ __all__ = [
     "step_table",
     "step_spread",
     "fetch_steps",
+    "current_step",
     "code_dirty",
     "QUIET_OTHERS_SHARE",
 ]
@@ -234,9 +235,19 @@ def fetch_steps(base_url: str, since: int = 0, timeout: float = 10.0) -> pd.Data
     must be on, as ``serve_in_thread`` has them)."""
     import httpx
 
-    r = httpx.get(f"{base_url.rstrip('/')}/lab/steps", params={"since": since}, timeout=timeout)
+    r = httpx.get(f"{base_url.rstrip('/')}/lab/steps", params={"since": since}, timeout=timeout, trust_env=False)
     r.raise_for_status()
     return step_table(r.json()["steps"])
+
+
+def current_step(base_url: str, timeout: float = 10.0) -> int:
+    """The number of the server's latest engine step, over HTTP (``GET /lab/steps``, asking for
+    no records)."""
+    import httpx
+
+    r = httpx.get(f"{base_url.rstrip('/')}/lab/steps", params={"since": 2**62}, timeout=timeout, trust_env=False)
+    r.raise_for_status()
+    return int(r.json()["step"])
 
 
 def step_table(records: Iterable[Any]) -> pd.DataFrame:
