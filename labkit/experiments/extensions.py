@@ -606,6 +606,7 @@ def _plot_saturation(saturation: pd.DataFrame):
     right.set(ylabel="s until the last fast request ended", title="What the fast requests paid (every run)")
     for ax in (left, right):
         ax.set_xticks(range(len(labels)), [label.replace("pause_then_drop", "p-t-d") for label in labels], rotation=30)
+        ax.set_ylim(bottom=0)
     return fig
 
 

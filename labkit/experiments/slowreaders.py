@@ -23,7 +23,18 @@ import pandas as pd
 from labkit.experiments.rawreader import Leave, read_stream
 from labkit.experiments.records import StreamResult
 
-__all__ = ["Pace", "Launch", "launch", "records", "released", "paused", "stats", "current_step", "StatsSampler", "read_rate"]
+__all__ = [
+    "Pace",
+    "Launch",
+    "launch",
+    "records",
+    "released",
+    "paused",
+    "stats",
+    "current_step",
+    "StatsSampler",
+    "read_rate",
+]
 
 
 @dataclass(frozen=True)
