@@ -16,31 +16,47 @@
 # %% [markdown]
 # # 5. A client that cannot keep up
 #
-# Eight streams of 64 tokens share the engine, and k of their readers (0, 1, 2 or 4) are slow:
-# after every read of at most 64 KiB they sleep a quarter of a second. Each token event carries
-# a 64 KiB SSE comment (these sizes and sleeps are settings), a laboratory device that makes one
-# stream megabytes long, because ordinary token events (notebook 01 measures their size) never
-# fill the buffers between server and client (notebook 04). Every policy of the hub is run on its own server, all on one loaded model:
+# N streams of a fixed number of tokens share the engine (`ignore_eos`, so every stream makes
+# exactly that many), and k of their readers (0 or 1) are slow. Each token event carries an SSE
+# comment of `pad_bytes` (the settings table below gives every size; they are settings, not
+# findings), a laboratory device that makes a stream long enough to fill the buffers between
+# server and client, which ordinary token events never do (notebook 04). Every policy of the hub
+# has its own server, all on one loaded model:
 #
 # * `naive`: the engine's step loop hands each event over and waits until it is taken;
 # * `unbounded`: per-stream queues without limit;
-# * `pause`: a stream 8 events behind leaves the decode batch, keeping its slot and blocks;
-# * `drop`: a stream 8 events behind for 0.25 s is cancelled with an `error` of type `slow_client`;
-# * `pause_then_drop`: pause first, cancel a stream that stays paused for 0.25 s.
+# * `pause`: a stream `high_water` events behind leaves the decode batch, keeping its slot and blocks;
+# * `drop`: a stream `high_water` events behind for `stall_timeout` is cancelled with an `error` of type `slow_client`;
+# * `pause_then_drop`: pause first, cancel a stream that stays paused for `stall_timeout`.
 #
-# One difference from the chapter, stated plainly: Linux here lets a connection's send buffer
-# grow by itself (notebook 04 measures how far), enough for a whole padded stream, so no policy
-# would ever see a slow reader. The main runs cap the server's `SO_SNDBUF` at 256 KiB (the
-# service's `sndbuf` setting, near what the chapter reports its machine absorbed); one extra run,
-# marked `linux`,
-# keeps the kernel's own sizing.
+# Two differences from the chapter, stated plainly. Linux here grows a connection's send buffer
+# by itself (notebook 04 measures how far), enough for a whole padded stream, so no policy would
+# see a slow reader: the server's `SO_SNDBUF` is capped (`server_sndbuf`). And "slow" is relative
+# to how fast this machine writes: a first run with nobody slow (a warm-up, not counted) measures
+# the rate a reader that keeps up is written to, and the slow reader is paced at `slow_fraction`
+# of it. Every run then records the rate the slow reader actually read at; divided by its
+# policy's write rate (the median of that server's own k = 0 runs) it is the achieved ratio.
 #
-# A second difference: "slow" is relative to how fast the engine writes. The chapter's GPU
-# wrote far faster than its reader read (by the chapter's account); two CPU cores write 64 KiB
-# events at a rate near what the chapter's reader takes. So after the first run, in which
-# nobody is slow, the slow reader's reads are made smaller if needed, so that it takes at most
-# half of what the server wrote to each reader; the sleep stays at 0.25 s. The `pace` table
-# says what was measured and used.
+# The runs go policy by policy and k by k, repetition after repetition (A B C …, A B C …), so each
+# policy is compared with its own k = 0 runs, measured in between. A slow reader leaves (RST)
+# shortly after the last healthy stream has ended: by then its policy has done what it does.
+#
+# ## Hypotheses, and what would falsify them (stated before measuring)
+#
+# 1. `naive_delays_healthy`: under `naive`, one slow reader delays the healthy streams.
+#    *Falsified if* their median completion with one slow reader is under 1.5 times their median
+#    with none, or the two ranges overlap.
+# 2. `queues_isolate_healthy`: with a queue per stream (`unbounded`, `pause`, `drop`,
+#    `pause_then_drop`) a slow reader does not delay the healthy streams. *Falsified if*, for any
+#    of them, the healthy median completion with one slow reader is above 1.25 times its own
+#    median with none.
+# 3. `same_steps`: whatever the policy, a slow reader costs the healthy streams seconds, never
+#    engine steps. *Falsified if* for any policy the healthy streams' median finishing step (counted
+#    from the run's first step) moves by more than 2 steps from k = 0.
+# 4. `policies_act`: with one slow reader, `pause` pauses it, and `drop` and `pause_then_drop`
+#    drop it, in every run. *Falsified by* any such run in which the policy did not act.
+# 5. `slow_is_slow`: the slow reader reads at most half of what the same server writes.
+#    *Falsified by* any run whose achieved ratio is above 0.5.
 
 # %% tags=["parameters"]
 # Parameters: papermill replaces this cell's values (`papermill -p profile_name ci`).
@@ -54,7 +70,9 @@ model_name = ""  # "" runs the profile's model
 # %%
 # NBVAL_IGNORE_OUTPUT
 import labkit
+from IPython.display import Markdown, display
 from labkit.experiments import slowclient
+from labkit.experiments.readings import quiet_line, verdict_lines, verdict_table
 from labkit.experiments.results import save_run
 from labkit.experiments.notebook import settings_table, setup_notebook
 from labkit.experiments.progress import measuring
@@ -65,8 +83,7 @@ settings_table(config)
 
 # %% [markdown]
 # The notebook's server is the first policy's; the experiment starts one more server per
-# policy, and each is stopped before the next starts. Most of the time goes to waiting for the
-# slow readers (the expected duration is in the first table).
+# policy on the same model, all of them at once, and stops them all at the end.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -75,12 +92,22 @@ with measuring(slowclient, config, profile) as progress, labkit.serve_in_thread(
     tables = slowclient.run(config, server=server, progress=progress)
 elapsed = progress.elapsed_s
 
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(quiet_line(progress.machine))
+
 # %% [markdown]
 # ## Every server afterwards
 
 # %%
 # NBVAL_CHECK_OUTPUT
 print(slowclient.report(tables))
+
+# %% [markdown]
+# ## How slow the slow reader was
+#
+# The warm-up run's write rate and the pace it set. Look at `slow_ratio` in the tables below: the
+# rate the slow reader achieved in each run over its policy's k = 0 write rate.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -89,44 +116,46 @@ tables['pace']
 # %% [markdown]
 # ## Who pays
 #
-# One row per policy and number of slow readers: when the last healthy stream ended, its worst
-# p99 gap between tokens, when the slow streams' sequences left the engine (the engine's own
-# timestamps), when the slow clients finished reading and how their streams ended.
+# One row per policy and number of slow readers, over the repetitions: the last healthy stream's
+# completion in seconds and in engine steps (median, min, max), the mean time between steps,
+# the slow reader's achieved ratio, and in how many runs the policy paused or dropped it.
+# `done_vs_k0` and `steps_vs_k0` set each row beside the same policy's k = 0 runs.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-tables['grid']
+tables['compare']
 
 # %% [markdown]
-# ## A full batch
-#
-# With a batch limit of 4, two slow readers take slots first and six fast requests arrive
-# behind them. The sampled engine state says how many slots paused streams held while others
-# waited (in slot-seconds), and what that cost the fast requests.
+# Every run, in the order it was measured:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-tables['saturation']
-
-# %% [markdown]
-# ## The memory an eager server would hold
-#
-# The lab's hub queues unformatted events and builds the padding as each one is written. A
-# server that built each event's bytes up front would keep every queued event at its full size. Under
-# `unbounded`, the peak number of events queued at once (sampled at a fixed interval, a setting) times the
-# measured size of one event gives that memory; `bound_bytes` is the arithmetic ceiling,
-# every token of every slow stream, and `unread_at_release_bytes` what the slow clients had
-# still to read when their sequences left the engine (queue and kernel together).
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-tables['eager']
+tables['runs']
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 figures = slowclient.plot(tables)
-written = save_run(slowclient, config, profile, tables, elapsed, figures)
+written = save_run(slowclient, config, profile, tables, elapsed, figures, machine=progress.machine)
 print("figures:", ", ".join(p.name for p in written["figures"]), "| results:", written["results"])
+
+# %% [markdown]
+# ## Verdicts
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+verdict_table(slowclient.verdicts(tables))
+
+# %% [markdown]
+# The verdicts that hold under both profiles (the tiny test model and SmolLM2), checked on
+# every test run:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(verdict_lines(slowclient.checked(tables)))
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+display(Markdown(slowclient.findings(tables)))
 
 # %% [markdown]
 # ## Beside the chapter
@@ -135,17 +164,12 @@ print("figures:", ", ".join(p.name for p in written["figures"]), "| results:", w
 # NBVAL_IGNORE_OUTPUT
 slowclient.beside_chapter(tables)
 
-# %%
-# NBVAL_IGNORE_OUTPUT
-print(slowclient.findings(tables, config))
-
 # %% [markdown]
-# Reading the tables: only `naive` makes healthy streams wait for a slow one, because its step
-# loop cannot move on until a reader takes an event; the other policies keep the healthy
-# streams at their k = 0 pace and differ in who carries the slow reader's backlog. `unbounded`
-# lets the sequence finish and leaves the backlog in memory; `pause` keeps the sequence, its
-# slot and its blocks until the reader catches up, which is what the full-batch table charges
-# to the fast requests; `drop` and `pause_then_drop` give the slot back quickly and the slow
-# client learns it from an `error` event after reading what was already sent. The `linux` row
-# is the caution: with the kernel's own buffer sizes the backlog sits in the kernel and even
-# the naive server does not notice the slow reader.
+# Reading the tables: compare each policy's k = 1 row with its own k = 0 row, never with
+# another policy's. Under `naive` the healthy streams finish after as many steps as with nobody
+# slow, but the steps are further apart: the step loop waits for the slow reader between them.
+# The other policies differ in who carries the slow reader's backlog: `unbounded` keeps it in
+# memory (`slow_max_queue` in the runs table), `pause` keeps the sequence, its slot and its
+# blocks until the reader catches up (what that costs when the batch is full is measured in
+# notebook 07), and `drop` and `pause_then_drop` give the slot back and tell the slow client
+# with an `error` event after what was already sent.

@@ -16,14 +16,36 @@
 # %% [markdown]
 # # 7. Extensions: the chapter's exercises, measured
 #
-# Five things the chapter argued or left as exercises, run on the lab's service:
+# Five things the chapter argued or left as exercises, run on the lab's service (every size is a
+# setting, in the settings table below):
 #
-# 1. first-token delivery when each prefill ends, against at the end of the step;
-# 2. `pause_then_drop` under a full batch, at several stall timeouts, against `pause`;
+# 1. first-token delivery when each prefill ends, against at the end of the step, the two
+#    servers taking turns, repetition after repetition;
+# 2. `pause_then_drop` under a full batch, at several stall timeouts, against `pause`, with
+#    interleaved repetitions;
 # 3. resuming a stream with `Last-Event-ID` after its client dropped the connection;
-# 4. the memory an eagerly formatting server would hold for four slow readers;
-# 5. identity under sampling with per-request seeds, and under bfloat16, reported by first
-#    divergence and the float32 model's logit margin there.
+# 4. the memory an eagerly formatting server would hold for slow readers: the peak queue of a
+#    real run, formatted eagerly for real and measured with `tracemalloc`, beside the same
+#    events held as the lab's hub holds them (unformatted);
+# 5. identity under sampling with per-request seeds (against a repeat, against the solo runs, and
+#    against the greedy streams, which they must differ from) and under bfloat16.
+#
+# ## Hypotheses, and what would falsify them (stated before measuring)
+#
+# 1. `sampling_takes_effect`: the sampled streams are not the greedy ones. *Falsified if* fewer
+#    than half of them differ from the greedy streams (sampling silently ignored would make all
+#    of them equal).
+# 2. `seeded_sampling_repeats`: a seeded sampled stream repeats exactly, run again or run alone.
+#    *Falsified by* any stream that differs between two runs with the same seed.
+# 3. `eager_costs_memory`: formatting eagerly holds far more for slow readers than the lazy hub.
+#    *Falsified if* the measured eager peak is under ten times the measured lazy one for the
+#    same queued events.
+# 4. `drop_frees_slots`: with the batch full, `pause_then_drop` at its shortest stall timeout holds
+#    fewer slot-seconds for paused streams while requests wait than `pause`. *Falsified if* its
+#    median is not below `pause`'s.
+# 5. `prefill_delivery_is_earlier`: a first token delivered when its own prefill ends reaches the
+#    client sooner than one delivered at the step's end. *Falsified if* the median over the
+#    repetitions of the median first-token time is not lower at prefill.
 
 # %% tags=["parameters"]
 # Parameters: papermill replaces this cell's values (`papermill -p profile_name ci`).
@@ -37,7 +59,9 @@ model_name = ""  # "" runs the profile's model
 # %%
 # NBVAL_IGNORE_OUTPUT
 import labkit
+from IPython.display import Markdown, display
 from labkit.experiments import extensions
+from labkit.experiments.readings import quiet_line, verdict_lines, verdict_table
 from labkit.experiments.results import save_run
 from labkit.experiments.notebook import settings_table, setup_notebook
 from labkit.experiments.progress import measuring
@@ -53,6 +77,10 @@ with measuring(extensions, config, profile) as progress, labkit.serve_in_thread(
     tables = extensions.run(config, server=server, progress=progress)
 elapsed = progress.elapsed_s
 
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(quiet_line(progress.machine))
+
 # %% [markdown]
 # ## What must hold exactly
 
@@ -64,6 +92,7 @@ print(extensions.report(tables))
 # ## First-token delivery
 #
 # N requests arrive together; they are admitted in one step and prefilled one after another.
+# Per mode: the median and the slowest first token of each repetition, over the repetitions.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -72,8 +101,14 @@ tables['delivery']
 # %% [markdown]
 # ## Pause, then drop, with the batch full
 #
-# Batch limit 4, two slow readers first, then fast requests. `pause` never lets go; each stall
-# timeout of `pause_then_drop` trades slots held for slow clients cancelled.
+# The batch limit is `slow.saturation_batch`; the slow readers take slots first, and once the
+# server holds them paused the fast requests arrive. `pause` lets go only when a reader catches
+# up; each stall timeout of `pause_then_drop` trades slots held for slow clients cancelled. Over
+# the repetitions, then every run:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+tables['saturation_summary']
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -91,7 +126,13 @@ tables['saturation']
 tables['resume']
 
 # %% [markdown]
-# ## Eager formatting: memory held for four slow readers
+# ## Eager formatting: memory held for the slow readers
+#
+# `peak_queued_events` is the most events the hub held for the slow readers at once (sampled
+# over `GET /stats`). Those events were then formatted as an eager server would format them
+# (the service's own encoder, padding included) and held, and `tracemalloc` measured the peak:
+# `eager_measured_mib`. `lazy_measured_mib` is the same measurement for the same events held as
+# the hub holds them. `bound_mib` is arithmetic (every token of every slow stream), not measured.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -100,8 +141,9 @@ tables['eager']
 # %% [markdown]
 # ## Identity under sampling and in bfloat16
 #
-# Where two runs split, `margin` is the float32 model's logit for the reference run's token
-# minus the other's, after the tokens both share; `top2_margin` the gap between its best two.
+# `differ` counts the streams that are not identical token for token. Where two runs split,
+# `margin` is the float32 model's logit for the reference run's token minus the other's, after
+# the tokens both share; `top2_margin` the gap between its best two.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -114,8 +156,27 @@ tables['identity'].loc[~tables['identity'].identical]
 # %%
 # NBVAL_IGNORE_OUTPUT
 figures = extensions.plot(tables)
-written = save_run(extensions, config, profile, tables, elapsed, figures)
+written = save_run(extensions, config, profile, tables, elapsed, figures, machine=progress.machine)
 print("figures:", ", ".join(p.name for p in written["figures"]), "| results:", written["results"])
+
+# %% [markdown]
+# ## Verdicts
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+verdict_table(extensions.verdicts(tables))
+
+# %% [markdown]
+# The verdicts that hold under both profiles (the tiny test model and SmolLM2), checked on
+# every test run:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(verdict_lines(extensions.checked(tables)))
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+display(Markdown(extensions.findings(tables)))
 
 # %% [markdown]
 # ## Beside the chapter
@@ -127,7 +188,8 @@ extensions.beside_chapter(tables)
 # %% [markdown]
 # Resumption costs the server a log of every event for as long as the grace period lasts, and
 # it keeps the run going for a client that may never come back; the checked cell shows that
-# what it replays is exact. Seeded sampling is as reproducible as greedy decoding here because
-# each request owns its generator and the engine's batched arithmetic does not depend on the
-# neighbours; bfloat16 is compared the same way, and where it departs from float32 the margin
-# says whether a near tie was broken differently.
+# what it replays is exact. Seeded sampling is reproducible because each request owns its
+# generator and the engine's batched float32 arithmetic does not depend on the neighbours; the
+# comparison with the greedy streams is what shows that the sampling was done at all. bfloat16
+# is compared the same way; where it departs from float32, the margin says whether a near tie
+# was broken differently.

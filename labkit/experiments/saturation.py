@@ -2,12 +2,13 @@
 
 The chapter argued this and did not measure it. Here a batch limit of 4 is filled first by slow
 readers (who fall behind and, under ``pause``, are left out of the decode batch while keeping
-their slot and blocks), and then fast requests arrive and wait for a slot. The engine's running,
-paused and waiting counts are sampled every 10 ms; slot-seconds held by paused streams while
-something waited is the cost, and the fast requests' time to first token and completion is who
+their slot and blocks), and once the server holds them paused, fast requests arrive and wait for
+a slot. The server's running,
+paused and waiting counts are sampled over HTTP (``GET /stats``) every 50 ms; slot-seconds held
+by paused streams while something waited is the cost, and the fast requests' time to first token and completion is who
 paid it. Once every fast request has ended, the slow readers leave (RST): what they would have
-read is not the question here. Used by ``slowclient`` (one stall timeout, several policies) and
-``extensions`` (``pause_then_drop`` at several stall timeouts).
+read is not the question here. Used by ``extensions``
+(``pause`` against ``pause_then_drop`` at several stall timeouts, interleaved repetitions).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pandas as pd
 
 from labkit.experiments.client import percentiles, run_sync
 from labkit.experiments.records import StreamResult
-from labkit.experiments.servers import launch_readers, wait_released
+from labkit.experiments.slowreaders import Pace, launch, paused, records
 from labkit.experiments.workload import bodies
 
 __all__ = ["Saturation", "measure_saturation", "saturation_row", "plot_timeline"]
@@ -31,33 +32,29 @@ class Saturation:
     """Who fills the batch: ``slow`` slow readers first, then ``fast`` requests that read at once."""
 
     slow: int = 2
-    fast: int = 6
-    slow_tokens: int = 64
-    fast_tokens: int = 32
-    slow_sleep: float = 0.25
-    read_bytes: int = 64 * 1024
+    fast: int = 4
+    slow_tokens: int = 48
+    fast_tokens: int = 16
+    slow_sleep: float = 0.1
+    read_bytes: int = 64 * 1024  # the slow readers' read size (their pace, with ``slow_sleep``)
     read_timeout: float = 120.0
+    sample_every: float = 0.05  # GET /stats this often
 
 
-def measure_saturation(
-    srv: Any, config: Saturation, prompts: list[int], label: str
-) -> tuple[dict[str, Any], pd.DataFrame]:
-    """One run on ``srv`` (whose batch limit and policy set the scene); a row, and the samples."""
-    slow = bodies(prompts, config.slow, config.slow_tokens)
-    fast = bodies(prompts[config.slow :] or prompts, config.fast, config.fast_tokens)
-    slow_read = dict(sleep=config.slow_sleep, read_bytes=config.read_bytes, leave_after_s=config.read_timeout)
-    fast_read = dict(sleep=0.0, read_bytes=config.read_bytes, leave_after_s=config.read_timeout)
-    results, samples, t0 = run_sync(
-        launch_readers(
-            srv,
-            slow + fast,
-            [slow_read] * len(slow) + [fast_read] * len(fast),
-            first=len(slow),
-            leave_first_after_rest=True,
-        )
+def measure_saturation(srv: Any, config: Saturation, label: str) -> tuple[dict[str, Any], pd.DataFrame]:
+    """One run on ``srv`` (whose batch limit and policy set the scene); a row, and the samples of
+    the server's ``/stats`` (running, paused, waiting) taken over HTTP while it ran."""
+    slow = bodies(range(config.slow), config.slow, config.slow_tokens, ignore_eos=True)
+    fast = bodies(range(config.slow, config.slow + config.fast), config.fast, config.fast_tokens, ignore_eos=True)
+    paces = [Pace(config.slow_sleep, config.read_bytes, config.read_timeout)] * config.slow
+    paces += [Pace(0.0, 64 * 1024, config.read_timeout)] * config.fast
+    wait = paused(srv.url, config.slow)  # the fast requests arrive once the slow streams are paused
+    done = run_sync(
+        launch(srv.url, slow + fast, paces, first=config.slow, rest_after=wait, sample_every=config.sample_every)
     )
-    records = run_sync(wait_released(srv.hub, [r.request_id for r in results]))
-    return saturation_row(label, results[len(slow) :], records[: len(slow)], samples, t0), samples.assign(policy=label)
+    slow_records = run_sync(records(srv.url, [r.request_id for r in done.results[: config.slow]]))
+    row = saturation_row(label, done.results[config.slow :], slow_records, done.samples, done.t0)
+    return row, done.samples.assign(policy=label)
 
 
 def saturation_row(
@@ -66,16 +63,22 @@ def saturation_row(
     waiting = samples.waiting > 0
     dt = samples.t.diff().fillna(0.0)
     ttft = percentiles((r.ttft for r in fast), (50, 100))
-    released = [r.released - t0 for r in slow_records if r is not None and r.released is not None]
+    released = [r["released"] - t0 for r in slow_records if r and r.get("released") is not None]
+    fast_done = max((r.ended or t0) - t0 for r in fast)
+    # the slow readers leave only after the fast ones ended: a cancel before that was the server's
+    dropped = [
+        r for r in slow_records if r and r.get("finish_reason") == "cancelled" and r["released"] - t0 < fast_done
+    ]
     return {
         "policy": label,
         "fast_ttft_p50_s": ttft["p50"],
         "fast_ttft_max_s": ttft["p100"],
-        "fast_done_s": max((r.ended or t0) - t0 for r in fast),
+        "fast_done_s": fast_done,
         "paused_slots_max_while_waiting": int(samples.paused[waiting].max()) if waiting.any() else 0,
         "paused_slot_s_while_waiting": float((samples.paused * dt)[waiting].sum()),
         "waited_s": float(dt[waiting].sum()),
         "slow_left_engine_s": max(released) if released else np.nan,
+        "slow_dropped": len(dropped),
         "fast_errors": sum(1 for r in fast if r.error or r.finish_reason not in ("length", "eos", "stop")),
     }
 
