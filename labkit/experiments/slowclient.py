@@ -40,10 +40,10 @@ from labkit.experiments.chapter import beside
 from labkit.experiments.client import run_sync
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
-from labkit.experiments.readings import Verdict, fetch_steps, interleaved, span, spread
+from labkit.experiments.readings import Verdict, current_step, fetch_steps, interleaved, span, spread
 from labkit.experiments.saturation import Saturation
 from labkit.experiments.servers import loaded_model, server_checks, server_like
-from labkit.experiments.slowreaders import Pace, current_step, launch, read_rate, records, stats
+from labkit.experiments.slowreaders import Pace, launch, read_rate, records, stats
 from labkit.experiments.workload import bodies
 from labkit.hub import POLICIES
 from labkit.prompts import PROMPTS
@@ -63,7 +63,7 @@ class Config:
     slow_counts: tuple[int, ...] = (0, 1)
     policies: tuple[str, ...] = POLICIES
     repetitions: int = 3
-    slow_fraction: float = 0.25  # the slow reader's pace, as a share of the measured write rate
+    slow_fraction: float = 0.1  # the slow reader's pace, as a share of the measured write rate
     slow_sleep: float = 0.1  # seconds a slow reader sleeps after each read
     read_bytes: int = 64 * 1024  # the most one read takes off the socket (slow: set by the pace)
     server_sndbuf: int | None = 16 * 1024  # the server's SO_SNDBUF; None: Linux autotunes it

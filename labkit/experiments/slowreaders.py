@@ -31,7 +31,6 @@ __all__ = [
     "released",
     "paused",
     "stats",
-    "current_step",
     "StatsSampler",
     "read_rate",
 ]
@@ -188,13 +187,6 @@ def stats(url: str) -> dict[str, Any]:
     response = httpx.get(f"{url}/stats", timeout=10.0)
     response.raise_for_status()
     return response.json()
-
-
-def current_step(url: str) -> int:
-    """The engine's step number now (``GET /lab/steps``, asking for nothing older)."""
-    response = httpx.get(f"{url}/lab/steps", params={"since": 2**62}, timeout=10.0)
-    response.raise_for_status()
-    return int(response.json()["step"])
 
 
 class StatsSampler:
