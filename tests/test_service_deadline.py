@@ -73,6 +73,9 @@ def test_an_impossible_deadline_gets_429_with_retry_after_before_any_body(tiny_g
         assert raw.json()["error"]["type"] == "deadline_unreachable" and not raw.events
         assert int(raw.headers["retry-after"]) >= 1
         assert refusals(server.url) == 1
+        readings = httpx.get(server.url + "/lab/deadline", timeout=TIMEOUT).json()["readings"]
+        assert [(r["refused"], r["request_id"]) for r in readings] == [(True, None)]
+        assert readings[0]["predicted_s"] > readings[0]["deadline_s"] == 0.001
         held.close_rst()
 
 
@@ -100,6 +103,10 @@ def test_with_the_gate_off_the_refused_request_is_admitted_and_misses_its_deadli
         events = late.read_to_end()
         assert events[-1][0] == "done" and time.perf_counter() - sent > deadline
         assert refusals(server.url) == 0
+        readings = httpx.get(server.url + "/lab/deadline", timeout=TIMEOUT).json()
+        (reading,) = [r for r in readings["readings"] if r["request_id"] == events[0][1]["request_id"]]
+        assert readings["enabled"] is False and not reading["refused"]
+        assert reading["predicted_s"] > deadline  # the shadow gate saw the miss coming
 
 
 def test_an_achievable_deadline_is_admitted_and_finishes_in_time(tiny_gpt2: Any) -> None:

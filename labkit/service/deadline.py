@@ -21,6 +21,10 @@ It assumes every request runs to its token limit: a request that ends early on i
 end-of-sequence token finishes sooner than predicted, so the gate errs towards refusing a
 request that would just have made it, never towards admitting one that cannot (up to the
 step cost's own spread). Everything here runs on the event loop's thread.
+
+Every reading (prediction, deadline, refused or the request id it was admitted under) is kept
+in a bounded ledger that ``GET /lab/deadline`` serves; with the gate off it still predicts, so
+the lab can check whether what it would have refused did miss its deadline.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ import heapq
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Annotated, Any
 
 from prometheus_client import CollectorRegistry, Counter
@@ -99,11 +104,35 @@ def step_seconds(engine: Any, window: int) -> float | None:
     return statistics.median(r.seconds for r in records[-window:])
 
 
+@dataclass(frozen=True)
+class Judgement:
+    """The gate's reading of one request with a deadline: what it predicted and what it did.
+    ``request_id`` is None for a refused request (it never got one)."""
+
+    request_id: str | None
+    deadline_s: float
+    predicted_s: float | None  # seconds from arrival to the last token; None: no step cost yet
+    steps: int | None
+    step_s: float | None
+    refused: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class DeadlineGate:
-    """Predicts and refuses; counts its refusals in the service's Prometheus registry."""
+    """Predicts and refuses; counts its refusals in the service's Prometheus registry.
+
+    With ``enabled`` False it still predicts for every request with a deadline and keeps the
+    reading (a shadow gate), so an experiment can check its predictions against what then
+    happens to requests it would have refused. The last ``LEDGER`` readings are kept.
+    """
+
+    LEDGER = 4096
 
     def __init__(self, engine: Any, hub: Any, *, enabled: bool, window: int, registry: CollectorRegistry) -> None:
         self.engine, self.hub, self.enabled, self.window = engine, hub, enabled, window
+        self.ledger: deque[Judgement] = deque(maxlen=self.LEDGER)
         self.refusals = Counter(
             "labkit_deadline_refusals",
             "Requests the deadline gate refused (429 deadline_unreachable) before the first byte.",
@@ -123,18 +152,21 @@ class DeadlineGate:
         streams = [s for s in self.hub.streams() if s.state.live]
         return sorted(streams, key=lambda s: s.record.submitted)
 
-    def check(self, deadline_s: float | None, arrived: float, tokens: int, retry_floor_s: int = 1) -> None:
+    def check(self, deadline_s: float | None, arrived: float, tokens: int, retry_floor_s: int = 1) -> Judgement | None:
         """Raise a 429 :class:`ServiceError` if a request that arrived at ``arrived``
-        (``time.perf_counter()``) with ``deadline_s`` cannot make ``tokens`` tokens in time."""
-        if deadline_s is None or not self.enabled:
-            return
+        (``time.perf_counter()``) with ``deadline_s`` cannot make ``tokens`` tokens in time;
+        else return the reading, for :meth:`admitted` to file under the request's id."""
+        if deadline_s is None:
+            return None
         prediction = self.predict(tokens)
         if prediction is None:
-            return
-        elapsed = time.perf_counter() - arrived
-        finish = elapsed + prediction.seconds
-        if finish <= deadline_s:
-            return
+            return Judgement(None, deadline_s, None, None, None, refused=False)
+        finish = time.perf_counter() - arrived + prediction.seconds
+        refuse = self.enabled and finish > deadline_s
+        judgement = Judgement(None, deadline_s, finish, prediction.steps, prediction.step_s, refused=refuse)
+        if not refuse:
+            return judgement
+        self.ledger.append(judgement)
         self.refusals.inc()
         wait = max(retry_floor_s, math.ceil(finish - deadline_s))
         raise ServiceError(
@@ -144,3 +176,10 @@ class DeadlineGate:
             f"{prediction.step_s * 1e3:.1f} ms), after its deadline of {deadline_s:g} s",
             {"Retry-After": str(wait)},
         )
+
+    def admitted(self, judgement: Judgement | None, request_id: str) -> None:
+        if judgement is not None:
+            self.ledger.append(replace(judgement, request_id=request_id))
+
+    def readings(self) -> list[dict[str, Any]]:
+        return [j.as_dict() for j in self.ledger]

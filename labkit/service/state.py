@@ -62,8 +62,8 @@ class Service:
         """Refuse (raise) or submit: EmptyPrompt, PromptTooLong, InvalidRequest, QueueFull, Draining,
         or a 429 ``deadline_unreachable`` when ``deadline_s`` (seconds from ``arrived``, a
         ``perf_counter`` time) cannot be met (:mod:`labkit.service.deadline`)."""
-        self.deadline.check(deadline_s, arrived, max_new_tokens, self.config.retry_after_s)
-        return self.hub.open(
+        judgement = self.deadline.check(deadline_s, arrived, max_new_tokens, self.config.retry_after_s)
+        stream = self.hub.open(
             list(prompt_ids),
             max_new_tokens=max_new_tokens,
             stop=stop or (),
@@ -72,6 +72,8 @@ class Service:
             seed=seed,
             ignore_eos=ignore_eos,
         )
+        self.deadline.admitted(judgement, stream.rid)
+        return stream
 
     def remember_flood(self, flood_id: str, record: Any, keep: int = 256) -> None:
         self.floods[flood_id] = record
