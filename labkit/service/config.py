@@ -64,7 +64,7 @@ class HttpConfig:
     deadline_gate: bool = setting(
         True, "refuse (429) a request whose deadline_s its predicted finish would miss; none is refused without one"
     )
-    deadline_window: int = setting(32, "engine steps whose median duration the deadline gate predicts with")
+    deadline_window: int = setting(32, "engine steps whose mean duration the deadline gate predicts with")
 
     def __post_init__(self) -> None:
         _check(self, "host", lambda v: isinstance(v, str) and bool(v), "a host name or address")

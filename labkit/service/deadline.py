@@ -13,9 +13,11 @@ The prediction, in engine steps and then in seconds:
   ``max_batch`` slots decodes one token per running request per step; a waiting request takes
   the first slot that frees, spends one step on its prefill, then one step per token. The new
   request takes the first slot free after everyone ahead of it;
-* one step costs the median of the engine's last ``deadline_window`` logged steps
-  (``engine.steps_since``: a copy of the log, safe from the loop's thread). With no step logged
-  yet the gate has nothing to predict from and admits.
+* one step costs the mean of the engine's last ``deadline_window`` logged steps
+  (``engine.steps_since``: a copy of the log, safe from the loop's thread). The mean, not the
+  median: what is predicted is a sum of many steps, and on a busy machine the slow tail of the
+  step times (a tenth of them several times the median here) is part of that sum. With no step
+  logged yet the gate has nothing to predict from and admits.
 
 It assumes every request runs to its token limit: a request that ends early on its
 end-of-sequence token finishes sooner than predicted, so the gate errs towards refusing a
@@ -96,12 +98,12 @@ def steps_to_finish(ahead: Iterable[tuple[bool, int]], tokens: int, slots: int) 
 
 
 def step_seconds(engine: Any, window: int) -> float | None:
-    """Median seconds of the engine's last ``window`` logged steps; None before any step."""
+    """Mean seconds of the engine's last ``window`` logged steps; None before any step."""
     last = engine.current_step if hasattr(engine, "current_step") else 0
     records = engine.steps_since(max(0, last - window))
     if not records:
         return None
-    return statistics.median(r.seconds for r in records[-window:])
+    return statistics.fmean(r.seconds for r in records[-window:])
 
 
 @dataclass(frozen=True)
