@@ -10,11 +10,13 @@ nothing left unfinished; and we count the bytes per token and the empty text del
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
 
+from labkit.experiments import wire_cases
 from labkit.experiments.client import StreamResult, async_client, run_sync, timed_stream
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
@@ -43,6 +45,7 @@ class Config:
     prompts: int = 40
     max_new_tokens: int = 32
     concurrency: int = 8  # prompts in flight at once, each streamed and generated together
+    raw_tokens: int = 3  # tokens of the one stream whose raw bytes are shown
 
     @classmethod
     def for_profile(cls, profile: Profile) -> Config:
@@ -65,10 +68,28 @@ def units(config: Config) -> int:
 def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
     doing(progress, f"{config.prompts} prompts, each streamed and answered as JSON")
     with serving(server, **server_options(config)) as srv:
+        raw = capture(srv.url, config)
         rows = run_sync(_measure(srv.url, config, progress))
     events = _event_sizes(rows)  # takes each row's per-event list out before the table is built
     streams = pd.DataFrame(rows)
-    return {"streams": streams, "checks": checks_table(streams), "events": events}
+    _, body = wire_cases.split_head(raw)
+    return {
+        "streams": streams,
+        "checks": checks_table(streams),
+        "events": events,
+        "raw": wire_cases.raw_lines(raw),
+        "raw_chunks": wire_cases.chunk_table(body),
+        "awkward": wire_cases.compare(),
+    }
+
+
+RAW_PROMPT = "The capital of France is"
+
+
+def capture(url: str, config: Config) -> bytes:
+    """One short stream's bytes as they crossed the socket (see :func:`wire_cases.capture_raw`)."""
+    body = json.dumps({"prompt": RAW_PROMPT, "max_new_tokens": config.raw_tokens}).encode()
+    return wire_cases.capture_raw(url, "/v1/stream", body)
 
 
 async def _measure(url: str, config: Config, progress: Progress | None) -> list[dict[str, Any]]:
