@@ -43,7 +43,6 @@ EXPERIMENTS: dict[str, str] = {
     "leak": "labkit.experiments.leak",
     "extensions": "labkit.experiments.extensions",
     "production": "labkit.experiments.production",
-    "deadline": "labkit.experiments.deadline",
 }
 
 

@@ -159,6 +159,7 @@ def compare(cases: tuple[Case, ...] = CASES) -> pd.DataFrame:
                 "ours follows the rule": ours_ok,
                 "httpx-sse follows the rule": theirs_ok,
                 "differ": bool(diff),
+                "same events": comparable(_events(a)) == comparable(_events(b)),
                 "where and why": _why(diff, ours_ok, theirs_ok, case.rule),
             }
         )
