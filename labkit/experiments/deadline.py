@@ -52,7 +52,7 @@ PRECISION_FLOOR = 0.9  # share of would-be refusals that must have missed for th
 class Config:
     model: str = "smollm2-135m"
     loads: tuple[float, ...] = (0.25, 0.75, 2.0)  # offered rate / (max_batch / solo_s): under, near, over
-    window_s: float = 2.5  # seconds of arrivals per run
+    window_s: float = 2.0  # seconds of arrivals per run
     deadline_factor: float = 3.0  # deadline = this many times a request's latency served alone
     max_new_tokens: int = 16
     max_batch: int = 8

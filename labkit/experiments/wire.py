@@ -5,6 +5,10 @@ server. For every stream we check what a client relies on: the content type, the
 header against the ``start`` event, the order start, token..., done, the same token ids, text,
 usage and finish reason as the JSON answer, a last event id that matches the count of events, and
 nothing left unfinished; and we count the bytes per token and the empty text deltas.
+
+Before that, one short stream is captured byte for byte on a plain socket (``raw``, ``raw_chunks``),
+and the article's awkward inputs are read by our parser and by httpx-sse (``awkward``); both
+come from :mod:`labkit.experiments.wire_cases`. :func:`verdicts` judges the notebook's hypotheses.
 """
 
 from __future__ import annotations
