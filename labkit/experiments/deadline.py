@@ -91,7 +91,8 @@ def units(config: Config) -> int:
 
 def arrivals(rate: float, window_s: float, seed: int) -> list[float]:
     """Poisson arrival offsets (seconds) in ``[0, window_s)``: exponential gaps of mean ``1/rate``."""
-    rng, t, out = random.Random(seed), 0.0, []
+    rng, t = random.Random(seed), 0.0
+    out: list[float] = []
     while True:
         t += rng.expovariate(rate)
         if t >= window_s:
@@ -160,8 +161,14 @@ async def _arrive(
 ) -> dict[str, Any]:
     await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
     sent = time.perf_counter()
-    row: dict[str, Any] = {"request": i, "offset_s": offset, "sent_s": sent - t0, "status": None,
-                           "request_id": None, "tokens": 0}
+    row: dict[str, Any] = {
+        "request": i,
+        "offset_s": offset,
+        "sent_s": sent - t0,
+        "status": None,
+        "request_id": None,
+        "tokens": 0,
+    }
     try:
         async with asyncio.timeout(deadline_s):  # the client gives up at its deadline
             await _read(client, _body(config, i, deadline_s), row)
@@ -262,9 +269,7 @@ def _readings(url: str) -> pd.DataFrame:
 
 def runs_table(requests: pd.DataFrame, config: Config) -> pd.DataFrame:
     """One row per run: offered requests, each outcome's count, and goodput (met per second)."""
-    counts = (
-        requests.groupby(["load", "rate", "gate", "repetition"])["outcome"].value_counts().unstack(fill_value=0)
-    )
+    counts = requests.groupby(["load", "rate", "gate", "repetition"])["outcome"].value_counts().unstack(fill_value=0)
     for outcome in OUTCOMES:
         if outcome not in counts:
             counts[outcome] = 0
@@ -281,8 +286,21 @@ def shadow_table(requests: pd.DataFrame, readings: pd.DataFrame) -> pd.DataFrame
     admitted = requests[(~requests.gate) & requests.request_id.notna()]
     joined = admitted.merge(readings.dropna(subset=["request_id"]), on="request_id", how="inner")
     joined["would_refuse"] = joined.predicted_s > joined.deadline_s
-    return joined[["load", "rate", "repetition", "request", "predicted_s", "deadline_s", "steps", "step_s",
-                   "would_refuse", "outcome", "latency_s"]]
+    return joined[
+        [
+            "load",
+            "rate",
+            "repetition",
+            "request",
+            "predicted_s",
+            "deadline_s",
+            "steps",
+            "step_s",
+            "would_refuse",
+            "outcome",
+            "latency_s",
+        ]
+    ]
 
 
 def _at(goodput: pd.DataFrame, rate: float, gate: bool, col: str) -> float:
@@ -359,12 +377,18 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
     for gate, color in ((True, "tab:blue"), (False, "tab:orange")):
         g = goodput[goodput.gate == gate].sort_values("rate")
         err = [g.goodput_median - g.goodput_min, g.goodput_max - g.goodput_median]
-        left.errorbar(g.rate, g.goodput_median, yerr=err, marker="o", capsize=3, color=color,
-                      label=f"gate {'on' if gate else 'off'}")
+        left.errorbar(
+            g.rate,
+            g.goodput_median,
+            yerr=err,
+            marker="o",
+            capsize=3,
+            color=color,
+            label=f"gate {'on' if gate else 'off'}",
+        )
     top = goodput.rate.max()
     left.plot([0, top], [0, top], color="lightgray", linestyle=":", label="every request met")
-    left.set(xlabel="offered load (requests/s)", ylabel="goodput (met deadline /s)",
-             title="Goodput (median, min–max)")
+    left.set(xlabel="offered load (requests/s)", ylabel="goodput (met deadline /s)", title="Goodput (median, min–max)")
     left.legend(loc="upper left")
     _plot_outcomes(middle, runs)
     _plot_shadow(right, shadow)
@@ -391,10 +415,19 @@ def _plot_shadow(ax: Any, shadow: pd.DataFrame) -> None:
     met = shadow[shadow.outcome == "met"]
     late = shadow[shadow.outcome != "met"]
     ax.scatter(met.predicted_s, met.latency_s, s=12, color="tab:green", label="met (actual finish)")
-    ax.scatter(late.predicted_s, [deadline] * len(late), s=12, marker="x", color="tab:red",
-               label="missed (client gave up at the deadline)")
+    ax.scatter(
+        late.predicted_s,
+        [deadline] * len(late),
+        s=12,
+        marker="x",
+        color="tab:red",
+        label="missed (client gave up at the deadline)",
+    )
     ax.axvline(deadline, color="gray", linestyle="--", label="deadline: the gate refuses right of it")
     ax.axhline(deadline, color="gray", linestyle=":")
-    ax.set(xlabel="predicted finish (s from arrival)", ylabel="finish seen by the client (s)",
-           title="Without the gate: prediction vs outcome")
+    ax.set(
+        xlabel="predicted finish (s from arrival)",
+        ylabel="finish seen by the client (s)",
+        title="Without the gate: prediction vs outcome",
+    )
     ax.legend(loc="lower right", fontsize="small")

@@ -242,7 +242,9 @@ def verdicts(tables: dict[str, pd.DataFrame]) -> list[Verdict]:
             "each stream passes every check of the checks table",
             "any check fails for any stream",
             not failed,
-            "failed: " + ", ".join(failed) if failed else f"all {len(CHECKS)} checks passed by all {checks.streams.iloc[0]} streams",
+            "failed: " + ", ".join(failed)
+            if failed
+            else f"all {len(CHECKS)} checks passed by all {checks.streams.iloc[0]} streams",
         ),
         Verdict(
             "each event travels in an HTTP chunk of its own",

@@ -47,33 +47,54 @@ def _m(data: str, id: str = "", event: str = "message", retry: int | None = None
 
 
 CASES: tuple[Case, ...] = (
-    Case("CRLF line ends", (b"data: a\r\n\r\ndata: b\r\n\r\n",), "CRLF, CR and LF each end a line",
-         (_m("a"), _m("b"))),
-    Case("CR-only line ends", (b"data: a\r\r", b"data: b\r\r"), "a lone CR ends a line",
-         (_m("a"), _m("b"))),
-    Case("comments", (b": ping\n\n: another\ndata: x\n\n",), "a line starting with ':' is ignored",
-         (_m("x"),)),
-    Case("multi-line data", (b"data: line one\ndata: line two\n\n",),
-         "data lines join with LF", (_m("line one\nline two"),)),
+    Case("CRLF line ends", (b"data: a\r\n\r\ndata: b\r\n\r\n",), "CRLF, CR and LF each end a line", (_m("a"), _m("b"))),
+    Case("CR-only line ends", (b"data: a\r\r", b"data: b\r\r"), "a lone CR ends a line", (_m("a"), _m("b"))),
+    Case("comments", (b": ping\n\n: another\ndata: x\n\n",), "a line starting with ':' is ignored", (_m("x"),)),
+    Case(
+        "multi-line data",
+        (b"data: line one\ndata: line two\n\n",),
+        "data lines join with LF",
+        (_m("line one\nline two"),),
+    ),
     Case("BOM at the start", ("\ufeffdata: x\n\n".encode(),), "one leading U+FEFF is dropped", (_m("x"),)),
-    Case("field with no colon", (b"data\n\ndata: y\n\n",), "a line without ':' is a field with an empty value",
-         (_m(""), _m("y"))),
-    Case("blank line inside a payload", (b'data: {"text": "a\n\nb"}\n\n',),
-         "a blank line ends the event wherever it falls; the rest is a line of its own (a field named "
-         "'b\"}', ignored)", (_m('{"text": "a'),)),
-    Case("id with a NUL", (b"id: 1\ndata: a\n\nid: 2\x00x\ndata: b\n\n",),
-         "an id containing NUL is ignored", (_m("a", "1"), _m("b", "1"))),
-    Case("retry not a number", (b"retry: soon\ndata: a\n\nretry: 1500\ndata: b\n\n",),
-         "retry takes ASCII digits only", (_m("a"), _m("b", retry=1500))),
-    Case("blank line split across reads", (b"data: a\n", b"\ndata: b\r\n\r", b"\n"),
-         "an event ends at its blank line, whichever read brings it", (_m("a"), _m("b"))),
+    Case(
+        "field with no colon",
+        (b"data\n\ndata: y\n\n",),
+        "a line without ':' is a field with an empty value",
+        (_m(""), _m("y")),
+    ),
+    Case(
+        "blank line inside a payload",
+        (b'data: {"text": "a\n\nb"}\n\n',),
+        "a blank line ends the event wherever it falls; the rest is a line of its own (a field named 'b\"}', ignored)",
+        (_m('{"text": "a'),),
+    ),
+    Case(
+        "id with a NUL",
+        (b"id: 1\ndata: a\n\nid: 2\x00x\ndata: b\n\n",),
+        "an id containing NUL is ignored",
+        (_m("a", "1"), _m("b", "1")),
+    ),
+    Case(
+        "retry not a number",
+        (b"retry: soon\ndata: a\n\nretry: 1500\ndata: b\n\n",),
+        "retry takes ASCII digits only",
+        (_m("a"), _m("b", retry=1500)),
+    ),
+    Case(
+        "blank line split across reads",
+        (b"data: a\n", b"\ndata: b\r\n\r", b"\n"),
+        "an event ends at its blank line, whichever read brings it",
+        (_m("a"), _m("b")),
+    ),
 )
 
 
 # -- the parsers, read by read -------------------------------------------------------------------
 def ours(reads: tuple[bytes, ...]) -> list[tuple[Ev, int | str]]:
     """Our :class:`SSEParser`: ``(event, read index it came out after)``; ``END`` at close."""
-    parser, out = SSEParser(), []
+    parser = SSEParser()
+    out: list[tuple[Ev, int | str]] = []
     for i, chunk in enumerate(reads):
         out += [(_tuple(e), i) for e in parser.feed(chunk)]
     out += [(_tuple(e), END) for e in parser.close()]
@@ -132,8 +153,9 @@ def difference(a: list[tuple[Ev, int | str]], b: list[tuple[Ev, int | str]]) -> 
     for k, (x, y) in enumerate(zip(ea, eb)):
         fields = [n for n, u, v in zip(("event", "data", "id", "retry"), x, y) if u != v]
         if fields:
-            return f"event {k + 1}: " + ", ".join(f"{n} {u!r} vs {v!r}" for n, u, v in zip(
-                ("event", "data", "id", "retry"), x, y) if n in fields)
+            return f"event {k + 1}: " + ", ".join(
+                f"{n} {u!r} vs {v!r}" for n, u, v in zip(("event", "data", "id", "retry"), x, y) if n in fields
+            )
     for k, ((_, ra), (_, rb)) in enumerate(zip(a, b)):
         if ra != rb:
             return f"event {k + 1} comes out after read {ra} (ours) vs {rb} (httpx-sse)"
@@ -176,7 +198,8 @@ def _why(diff: str, ours_ok: bool, theirs_ok: bool, rule: str) -> str:
     if ours_ok and theirs_ok:
         return f"{diff}: same events by the rule; " + (
             "httpx-sse holds a CR at the end of a read until the next (half of a CRLF?), so the event waits"
-            if "read" in diff else "they report retry differently (ours: lasting; httpx-sse: on the event that set it)"
+            if "read" in diff
+            else "they report retry differently (ours: lasting; httpx-sse: on the event that set it)"
         )
     return f"{diff}: both depart from the rule ({rule})"
 
@@ -203,8 +226,11 @@ def escaped(data: bytes, newline: bool = False) -> str:
     """Bytes as text with CR and LF shown as ``\\r`` and ``\\n`` (with ``newline``, each LF also
     ends the printed line), other control bytes as ``\\xNN``, UTF-8 text as itself."""
     text = data.decode("utf-8", errors="backslashreplace")
-    text = re.sub(r"[\x00-\x09\x0b\x0c\x0e-\x1f\ufeff]", lambda m: f"\\x{ord(m.group()):02x}"
-                  if ord(m.group()) < 256 else "\\ufeff", text)
+    text = re.sub(
+        r"[\x00-\x09\x0b\x0c\x0e-\x1f\ufeff]",
+        lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 256 else "\\ufeff",
+        text,
+    )
     shown = text.replace("\r", "\\r").replace("\n", "\\n\n" if newline else "\\n")
     return shown.rstrip("\n")
 
