@@ -175,6 +175,15 @@ def test_the_deadline_is_in_the_openapi_schema(server: Any) -> None:
 
 
 def test_the_gate_is_a_flag_of_labkit_serve_and_checked() -> None:
+    import argparse
+
+    from labkit.server import add_serve_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    http = config_from_args(parser.parse_args(["--no-deadline-gate", "--deadline-window", "8"])).http
+    assert (http.deadline_gate, http.deadline_window) == (False, 8)
+    assert config_from_args(parser.parse_args([])).http.deadline_gate is True
     assert ServiceConfig.of(deadline_gate=False).http.deadline_gate is False
     with pytest.raises(ValueError, match="deadline_window"):
         ServiceConfig.of(deadline_window=0)
