@@ -35,7 +35,16 @@ def _requests(outcomes: dict[tuple[float, bool], list[str]]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _tables(requests: pd.DataFrame, predicted: dict[str, float]) -> dict[str, pd.DataFrame]:
+GOOD_PROBES = {("certain miss", True): "refused", ("certain miss", False): "missed", ("ample room", True): "met"}
+
+
+def _probes(outcomes: dict[tuple[str, bool], str]) -> pd.DataFrame:
+    return pd.DataFrame([{"probe": p, "gate": g, "repetition": rep, "outcome": o}
+                         for rep in range(3) for (p, g), o in outcomes.items()])
+
+
+def _tables(requests: pd.DataFrame, predicted: dict[str, float],
+            probes: dict[tuple[str, bool], str] = GOOD_PROBES) -> dict[str, pd.DataFrame]:
     readings = pd.DataFrame(
         [{"request_id": rid, "deadline_s": 1.0, "predicted_s": p, "steps": 10, "step_s": 0.01, "refused": False}
          for rid, p in predicted.items()]
@@ -46,6 +55,7 @@ def _tables(requests: pd.DataFrame, predicted: dict[str, float]) -> dict[str, pd
         "goodput": deadline.spread(runs, ["load", "rate", "gate"], ["goodput", "met", "missed", "refused"]),
         "shadow": deadline.shadow_table(requests, readings),
         "requests": requests,
+        "probes": _probes(probes),
     }
 
 
@@ -70,18 +80,30 @@ def _case(gate_wins: bool, prediction_right: bool) -> dict[str, pd.DataFrame]:
     return _tables(requests, predicted)
 
 
-def test_both_verdicts_hold_when_the_gate_wins_and_predicts_right() -> None:
-    assert [v.holds for v in deadline.verdicts(_case(gate_wins=True, prediction_right=True))] == [True, True]
+def test_every_verdict_holds_when_the_gate_wins_and_predicts_right() -> None:
+    verdicts = deadline.verdicts(_case(gate_wins=True, prediction_right=True))
+    assert [v.holds for v in verdicts] == [True, True, True]
+
+
+@pytest.mark.parametrize("probe, outcome", [(("certain miss", True), "met"), (("certain miss", False), "met"),
+                                            (("ample room", True), "refused"), (("ample room", True), "missed")])
+def test_a_probe_that_goes_the_wrong_way_falsifies_the_gate(probe: tuple[str, bool], outcome: str) -> None:
+    tables = _case(gate_wins=True, prediction_right=True)
+    tables["probes"] = _probes({**GOOD_PROBES, probe: outcome})
+    tables["probes"].loc[tables["probes"].index[3:], "outcome"] = [GOOD_PROBES[(p, g)] for p, g in
+                                                                   zip(tables["probes"].probe[3:], tables["probes"].gate[3:])]
+    first = deadline.verdicts(tables)[0]
+    assert not first.holds, first.evidence
 
 
 def test_a_gate_that_would_refuse_requests_that_met_their_deadline_is_falsified() -> None:
-    first, _ = deadline.verdicts(_case(gate_wins=True, prediction_right=False))
-    assert not first.holds and "missed their deadline" in first.evidence
+    _, shadow, _ = deadline.verdicts(_case(gate_wins=True, prediction_right=False))
+    assert not shadow.holds and shadow.evidence.startswith("3 of 9 would-be refusals missed their deadline")
 
 
 def test_less_goodput_with_the_gate_at_overload_is_falsified() -> None:
-    _, second = deadline.verdicts(_case(gate_wins=False, prediction_right=True))
-    assert not second.holds
+    *_, goodput = deadline.verdicts(_case(gate_wins=False, prediction_right=True))
+    assert not goodput.holds
 
 
 @pytest.mark.slow
@@ -93,4 +115,7 @@ def test_a_short_run_measures_both_gates_with_no_errors_and_plots() -> None:
     assert runs.error.sum() == 0 and runs[~runs.gate].refused.sum() == 0  # the open server refuses nothing
     assert (tables["calibration"].deadline_s > 0).all() and not tables["steps"].empty
     assert deadline.summary(tables)["errors"] == 0
+    probes = tables["probes"]
+    assert len(probes) == len(deadline.PROBES) * config.repetitions
+    assert deadline.verdicts(tables)[0].holds, deadline.verdicts(tables)[0].evidence
     assert len(deadline.plot(tables)) == 1

@@ -17,8 +17,11 @@ back from ``GET /lab/deadline``) but admits everything. Each repetition offers t
 arrival times to both, and repetitions are interleaved (rate by rate, gate on then off, then the
 next repetition), so the two are compared on one run of the machine.
 
-The shadow predictions test the gate's promise directly: of the requests the gate would have
-refused, how many did in fact miss their deadline when admitted?
+The gate's promise is tested twice. Probes, which hold on any machine: a request behind a batch
+full of much longer requests, with a deadline of one solo latency, certainly misses; the gate
+must refuse it, and without the gate it must indeed miss; a request on an idle server with ten
+solo latencies to spare must be admitted and finish in time. And under load, statistically: of
+the requests the shadow gate would have refused, how many did in fact miss their deadline?
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def server_options(config: Config) -> dict[str, Any]:
 
 
 def units(config: Config) -> int:
-    return 1 + len(config.loads) * len(GATES) * config.repetitions
+    return 2 + len(config.loads) * len(GATES) * config.repetitions
 
 
 def arrivals(rate: float, window_s: float, seed: int) -> list[float]:
@@ -115,6 +118,13 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
         deadline_s = float(calibration.deadline_s.iloc[0])
         rates = dict(zip(calibration.load, calibration.rate))
         tick(progress)
+        probes: list[dict[str, Any]] = []
+        for rep, (probe, gate) in interleaved(PROBES, config.repetitions):
+            doing(progress, f"probe: {probe}, gate {'on' if gate else 'off'}, repetition {rep + 1}")
+            result = run_sync(_probe(servers[gate].url, config, probe, float(calibration.solo_s.iloc[0])))
+            probes.append({"probe": probe, "gate": gate, "repetition": rep, **result})
+            _wait_idle(servers[gate].url)
+        tick(progress)
         rows: list[dict[str, Any]] = []
         plan = [(load, gate) for load in config.loads for gate in GATES]
         for rep, (load, gate) in interleaved(plan, config.repetitions):
@@ -133,12 +143,59 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
     runs = runs_table(requests, config)
     return {
         "calibration": calibration,
+        "probes": pd.DataFrame(probes),
         "requests": requests,
         "runs": runs,
         "goodput": spread(runs, ["load", "rate", "gate"], ["goodput", "met", "missed", "refused"]),
         "shadow": shadow_table(requests, readings[False]),
         "steps": steps,
     }
+
+
+# --------------------------------------------------------------------------- probes
+
+#: (probe, gate): a request that certainly misses, with the gate and without (the counterfactual),
+#: and one with ample room, with the gate.
+PROBES = (("certain miss", True), ("certain miss", False), ("ample room", True))
+FILLER_FACTOR = 4  # filler requests ask for this many times the probe's tokens
+AMPLE_FACTOR = 10  # the ample probe's deadline, in solo latencies
+
+
+async def _probe(url: str, config: Config, probe: str, solo_s: float) -> dict[str, Any]:
+    """One probe request. ``certain miss``: every batch slot is first taken by a filler with
+    ``FILLER_FACTOR`` times the probe's tokens, and the probe's deadline is one solo latency, so it
+    must wait many times its own run for a slot. ``ample room``: an idle server and a deadline of
+    ``AMPLE_FACTOR`` solo latencies. The fillers' clients leave once the probe is settled."""
+    certain = probe == "certain miss"
+    deadline_s = solo_s if certain else AMPLE_FACTOR * solo_s
+    async with async_client(url, connections=config.max_batch + 2) as client:
+        fillers: list[asyncio.Future] = []
+        if certain:
+            started = [asyncio.Event() for _ in range(config.max_batch)]
+            body = {**_body(config, 0), "max_new_tokens": FILLER_FACTOR * config.max_new_tokens}
+            fillers = [asyncio.ensure_future(_fill(client, body, e)) for e in started]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=120)
+        try:
+            row = await _arrive(client, config, deadline_s, 0, time.perf_counter(), 0.0)
+        finally:
+            for filler in fillers:
+                filler.cancel()
+            await asyncio.gather(*fillers, return_exceptions=True)
+    return {
+        "deadline_s": deadline_s,
+        "outcome": row["outcome"],
+        "latency_s": row["latency_s"],
+        "retry_after": row.get("retry_after"),
+    }
+
+
+async def _fill(client: httpx.AsyncClient, body: dict[str, Any], started: asyncio.Event) -> None:
+    """A long stream that holds a batch slot; ``started`` is set at its first token."""
+    async with client.stream("POST", "/v1/stream", json=body) as response:
+        parser = SSEParser()
+        async for chunk in response.aiter_raw():
+            if any(e.event == "token" for e in parser.feed(chunk)):
+                started.set()
 
 
 # --------------------------------------------------------------------------- one run
@@ -337,9 +394,32 @@ def verdicts(tables: dict[str, pd.DataFrame]) -> list[Verdict]:
     admitted = int(gated.met.sum() + gated.missed.sum())
     on = runs[(runs.rate == top) & runs.gate].goodput
     off = runs[(runs.rate == top) & ~runs.gate].goodput
+    probes = tables["probes"]
+
+    def outcomes(probe: str, gate: bool) -> list[str]:
+        return list(probes[(probes.probe == probe) & (probes.gate == gate)].outcome)
+
+    on_miss, off_miss, ample = (
+        outcomes("certain miss", True),
+        outcomes("certain miss", False),
+        outcomes("ample room", True),
+    )
     return [
         Verdict(
             "the gate refuses only what would miss its deadline",
+            "a request that cannot finish in time is refused, and without the gate it does miss; "
+            "one with room to spare is admitted and finishes in time",
+            "a certain-miss probe is admitted by the gate or meets its deadline without it, "
+            "or an ample-room probe is refused or misses",
+            bool(on_miss and off_miss and ample)
+            and set(on_miss) == {"refused"}
+            and set(off_miss) == {"missed"}
+            and set(ample) == {"met"},
+            f"certain miss with the gate: {', '.join(on_miss)}; without: {', '.join(off_miss)}; "
+            f"ample room with the gate: {', '.join(ample)}",
+        ),
+        Verdict(
+            "under load, what the gate would refuse does miss",
             "a request the gate predicts to finish after its deadline does miss it when admitted",
             f"fewer than {PRECISION_FLOOR:.0%} of the requests the (shadow) gate would have refused "
             "missed their deadline on the server without the gate, or it would have refused none",
