@@ -5,19 +5,26 @@ server. For every stream we check what a client relies on: the content type, the
 header against the ``start`` event, the order start, token..., done, the same token ids, text,
 usage and finish reason as the JSON answer, a last event id that matches the count of events, and
 nothing left unfinished; and we count the bytes per token and the empty text deltas.
+
+Before that, one short stream is captured byte for byte on a plain socket (``raw``, ``raw_chunks``),
+and the article's awkward inputs are read by our parser and by httpx-sse (``awkward``); both
+come from :mod:`labkit.experiments.wire_cases`. :func:`verdicts` judges the notebook's hypotheses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
 
+from labkit.experiments import wire_cases
 from labkit.experiments.client import StreamResult, async_client, run_sync, timed_stream
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
+from labkit.experiments.readings import Verdict, span
 from labkit.experiments.servers import serving
 from labkit.prompts import PROMPTS
 
@@ -43,6 +50,7 @@ class Config:
     prompts: int = 40
     max_new_tokens: int = 32
     concurrency: int = 8  # prompts in flight at once, each streamed and generated together
+    raw_tokens: int = 3  # tokens of the one stream whose raw bytes are shown
 
     @classmethod
     def for_profile(cls, profile: Profile) -> Config:
@@ -65,10 +73,28 @@ def units(config: Config) -> int:
 def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
     doing(progress, f"{config.prompts} prompts, each streamed and answered as JSON")
     with serving(server, **server_options(config)) as srv:
+        raw = capture(srv.url, config)
         rows = run_sync(_measure(srv.url, config, progress))
     events = _event_sizes(rows)  # takes each row's per-event list out before the table is built
     streams = pd.DataFrame(rows)
-    return {"streams": streams, "checks": checks_table(streams), "events": events}
+    _, body = wire_cases.split_head(raw)
+    return {
+        "streams": streams,
+        "checks": checks_table(streams),
+        "events": events,
+        "raw": wire_cases.raw_lines(raw),
+        "raw_chunks": wire_cases.chunk_table(body),
+        "awkward": wire_cases.compare(),
+    }
+
+
+RAW_PROMPT = "The capital of France is"
+
+
+def capture(url: str, config: Config) -> bytes:
+    """One short stream's bytes as they crossed the socket (see :func:`wire_cases.capture_raw`)."""
+    body = json.dumps({"prompt": RAW_PROMPT, "max_new_tokens": config.raw_tokens}).encode()
+    return wire_cases.capture_raw(url, "/v1/stream", body)
 
 
 async def _measure(url: str, config: Config, progress: Progress | None) -> list[dict[str, Any]]:
@@ -175,7 +201,94 @@ def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
         "stream_bytes_median": float(streams.bytes.median()),
         "token_events": int(streams.tokens.sum()),
         "empty_deltas": int(streams.empty_deltas.sum()),
+        "token_share_median": float(token_share(tables).median()),
+        "raw_chunks": int((tables["raw_chunks"].bytes > 0).sum()),
+        "awkward_cases": len(tables["awkward"]),
+        "awkward_ours_follows": int(tables["awkward"]["ours follows the rule"].sum()),
+        "awkward_httpx_sse_follows": int(tables["awkward"]["httpx-sse follows the rule"].sum()),
+        "awkward_differ": int(tables["awkward"].differ.sum()),
     }
+
+
+def token_share(tables: dict[str, pd.DataFrame]) -> pd.Series:
+    """Per full-length stream, the share of its bytes that are token events (start and done are the rest)."""
+    events = tables["events"]
+    full = set(full_length(tables["streams"]).prompt)
+    mine = events[events.prompt.isin(full)]
+    total = mine.groupby("prompt").bytes.sum()
+    return mine[mine.event == "token"].groupby("prompt").bytes.sum().reindex(total.index, fill_value=0) / total
+
+
+def one_event_per_chunk(tables: dict[str, pd.DataFrame]) -> tuple[int, int]:
+    """(chunks holding exactly one whole SSE event, chunks with a payload) in the raw capture."""
+    chunks = tables["raw_chunks"]
+    payloads = chunks[chunks.bytes > 0].payload
+    whole = sum(1 for p in payloads if p.endswith("\\n\\n") and p.count("\\n\\n") == 1)
+    return whole, len(payloads)
+
+
+def verdicts(tables: dict[str, pd.DataFrame]) -> list[Verdict]:
+    checks, awkward = tables["checks"], tables["awkward"]
+    failed = [row.check for row in checks.iloc[: len(CHECKS)].itertuples() if row.passed != row.streams]
+    wrong = list(awkward.loc[~awkward["ours follows the rule"], "case"])
+    both = awkward["ours follows the rule"] & awkward["httpx-sse follows the rule"]
+    disagree = list(awkward.loc[both & ~awkward["same events"], "case"])
+    differ = awkward[awkward.differ]
+    share = token_share(tables)
+    whole, chunks = one_event_per_chunk(tables)
+    return [
+        Verdict(
+            "every stream keeps the client's contract",
+            "each stream passes every check of the checks table",
+            "any check fails for any stream",
+            not failed,
+            "failed: " + ", ".join(failed)
+            if failed
+            else f"all {len(CHECKS)} checks passed by all {checks.streams.iloc[0]} streams",
+        ),
+        Verdict(
+            "each event travels in an HTTP chunk of its own",
+            "uvicorn writes each piece the service yields as one chunk, and the service yields one event per piece",
+            "a chunk of the raw capture holds part of an event or more than one",
+            chunks > 0 and whole == chunks,
+            f"{whole} of {chunks} chunks hold exactly one event",
+        ),
+        Verdict(
+            "our parser follows the WHATWG rules on every awkward case",
+            "the events our parser dispatches are those the rules prescribe",
+            "any awkward case gives other events than the rules say",
+            not wrong,
+            "departs on: " + ", ".join(wrong) if wrong else f"all {len(awkward)} cases as the rules say",
+        ),
+        Verdict(
+            "where both follow the rules, the two parsers dispatch the same events",
+            "httpx-sse is an independent implementation of the same rules",
+            "a case both handle by the rules gives different events (not only a different read)",
+            not disagree and bool(both.any()),
+            f"{int(awkward.differ.sum())} of {len(awkward)} cases differ: "
+            + "; ".join(f"{case}: {why}" for case, why in zip(differ["case"], differ["where and why"])),
+        ),
+        Verdict(
+            "token events carry most of a stream's bytes",
+            "the schema's start and done are fixed costs that a full-length stream spreads over its tokens",
+            "the median share of token-event bytes in the streams that ran to their limit is below one half",
+            bool(len(share)) and float(share.median()) >= 0.5,
+            f"token events: {span(share * 100, '{:.0f}', '%')} of a full-length stream's bytes ({len(share)} streams)",
+        ),
+    ]
+
+
+def findings(tables: dict[str, pd.DataFrame]) -> str:
+    """What this run found, as Markdown rendered from its tables (no typed numbers)."""
+    full = full_length(tables["streams"])
+    token_bytes = tables["events"].query("event == 'token'").bytes
+    return (
+        f"In this run a stream that ran to its limit of {int(full.tokens.max()) if len(full) else 0} tokens cost "
+        f"**{span(full.bytes_per_token, '{:.1f}')} bytes per token** (median, min–max over {len(full)} streams), "
+        f"and one token event **{span(token_bytes, '{:.0f}')} bytes**; the whole stream "
+        f"{span(full.bytes, '{:.0f}')} bytes. At that rate 300 tokens make a stream of "
+        f"{span(full.bytes_per_token * 300 / 1024, '{:.0f}')} KiB."
+    )
 
 
 def report(tables: dict[str, pd.DataFrame]) -> str:

@@ -61,6 +61,10 @@ class HttpConfig:
     max_connections: int = setting(256, "open connections served at once; requests on connections beyond it get 503")
     max_body_bytes: int = setting(1 << 20, "larger request bodies get 413 before anything reads or tokenizes them")
     log_level: str = setting("info", "uvicorn's log level", choices=LOG_LEVELS)
+    deadline_gate: bool = setting(
+        True, "refuse (429) a request whose deadline_s its predicted finish would miss; none is refused without one"
+    )
+    deadline_window: int = setting(32, "engine steps whose mean duration the deadline gate predicts with")
 
     def __post_init__(self) -> None:
         _check(self, "host", lambda v: isinstance(v, str) and bool(v), "a host name or address")
@@ -80,6 +84,8 @@ class HttpConfig:
         for name in ("max_connections", "max_body_bytes"):
             _check(self, name, lambda v: _is_int(v) and v >= 1, "an int >= 1")
         _check(self, "log_level", lambda v: v in LOG_LEVELS, f"one of {LOG_LEVELS}")
+        _check(self, "deadline_gate", lambda v: isinstance(v, bool), "a bool")
+        _check(self, "deadline_window", lambda v: _is_int(v) and 1 <= v <= 4096, "an int in [1, 4096]")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ HTTP_ONLY_TYPES = frozenset(
         "request_timeout",
         "over_capacity",
         "invalid_host",
+        "deadline_unreachable",
     }
 )
 INTERNAL = "internal error"  # all a client learns of a failure that is not its fault

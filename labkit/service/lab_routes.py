@@ -12,6 +12,10 @@ delivered, how it ended), all ``time.perf_counter()`` seconds on the server's cl
 sequences decoded, prompts prefilled): what an experiment reads its step-time spread from, over
 HTTP, instead of reaching into the engine from another thread.
 
+``GET /lab/deadline``: the deadline gate's readings (prediction, deadline, refused, request id),
+also while the gate is off, so an experiment can set what it would have refused against what
+happened to those requests (:mod:`labkit.service.deadline`).
+
 ``POST /lab/flood`` {flood_id, event_bytes, count, block_threshold}: writes ``count`` SSE events
 of exactly ``event_bytes`` bytes each, as fast as the connection accepts them, and times every
 ``send``. The first send that takes longer than ``block_threshold`` (default 50 ms) marks the
@@ -153,6 +157,12 @@ class FloodResponse(ClosingStreamingResponse):
             task.cancel()
         task.result()
         self.record.sent(len(message["body"]), time.perf_counter() - start, time.perf_counter())
+
+
+@router.get("/lab/deadline")
+async def deadline_readings(request: Request) -> dict[str, Any]:
+    gate = service_of(request).deadline
+    return {"enabled": gate.enabled, "readings": gate.readings()}
 
 
 @router.post("/lab/flood")

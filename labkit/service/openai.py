@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from labkit.engine.events import FinishEvent, TokenEvent
 from labkit.hub.stream import Stream
 from labkit.schema import error_envelope
+from labkit.service.deadline import DeadlineSeconds
 from labkit.service.errors import public_message
 from labkit.service.frames import PING, items, padding
 from labkit.service.intake import (
@@ -81,6 +82,7 @@ class _Sampling(BaseModel):
     stop: Stop = None
     seed: Seed | None = None
     ignore_eos: StrictBool = False  # not OpenAI's; vLLM and llama.cpp's server accept it too
+    deadline_s: DeadlineSeconds | None = None  # not OpenAI's: the lab's deadline gate
     presence_penalty: Annotated[Annotated[float, Field(ge=0, le=0)] | None, accepting(0)] = None
     frequency_penalty: Annotated[Annotated[float, Field(ge=0, le=0)] | None, accepting(0)] = None
     logit_bias: Annotated[Annotated[dict[str, Any], Field(max_length=0)] | None, accepting({})] = None
@@ -155,25 +157,31 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 @router.post("/v1/completions", response_class=Response, responses=OPENAI_ANSWER)
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    service = service_of(request)
+    service, arrived = service_of(request), time.perf_counter()
     ids = await completion_prompt_ids(service, body.prompt)
-    return await answer(request, service, body, ids, body.max_tokens or 16, "completion")
+    return await answer(request, service, body, ids, body.max_tokens or 16, "completion", arrived)
 
 
 @router.post("/v1/chat/completions", response_class=Response, responses=OPENAI_ANSWER)
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
-    service = service_of(request)
+    service, arrived = service_of(request), time.perf_counter()
     ids = await chat_prompt_ids(service, body.messages)
     room = service.engine.max_context - len(ids)
     max_tokens = body.max_completion_tokens or body.max_tokens or max(1, min(service.config.default_max_tokens, room))
-    return await answer(request, service, body, ids, max_tokens, "chat")
+    return await answer(request, service, body, ids, max_tokens, "chat", arrived)
 
 
 Kind = Literal["completion", "chat"]
 
 
 async def answer(
-    request: Request, service: Service, body: _Sampling, ids: list[int], max_tokens: int, kind: Kind
+    request: Request,
+    service: Service,
+    body: _Sampling,
+    ids: list[int],
+    max_tokens: int,
+    kind: Kind,
+    arrived: float,
 ) -> Response:
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
@@ -185,6 +193,8 @@ async def answer(
         top_p=top_p,
         seed=body.seed,
         ignore_eos=body.ignore_eos,
+        deadline_s=body.deadline_s,
+        arrived=arrived,
     )
     shape = Shape(kind, stream.rid, service.model_name, len(ids))
     headers = {"X-Request-ID": stream.rid}

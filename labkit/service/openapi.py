@@ -33,7 +33,7 @@ _WHY = {
     410: "What was asked for existed but is gone.",
     413: "The body is larger than the server's limit.",
     422: "The request can never be served as written (invalid_request, prompt_too_long).",
-    429: "The waiting list is full; Retry-After says when to try again.",
+    429: "The waiting list is full, or a deadline_s cannot be met (deadline_unreachable); Retry-After says when to try again.",
     503: "The server is draining or shutting down; Retry-After says when to try again.",
 }
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from labkit.hub import Hub, Stream
+from labkit.service.deadline import DeadlineGate
 from labkit.service.metrics import Metrics
 from labkit.service.resume import ResumeRegistry
 from labkit.service.stats import ServiceStats, read_stats
@@ -25,6 +26,13 @@ class Service:
         self.model_name: str = engine.model.name
         self.metrics = Metrics(self.stats)
         hub.observer = self.metrics
+        self.deadline = DeadlineGate(
+            engine,
+            hub,
+            enabled=config.http.deadline_gate,
+            window=config.http.deadline_window,
+            registry=self.metrics.registry,
+        )
         self.resume = ResumeRegistry(
             hub,
             self.model_name,
@@ -48,9 +56,14 @@ class Service:
         top_p: float,
         seed: int | None,
         ignore_eos: bool = False,
+        deadline_s: float | None = None,
+        arrived: float = 0.0,
     ) -> Stream:
-        """Refuse (raise) or submit: EmptyPrompt, PromptTooLong, InvalidRequest, QueueFull, Draining."""
-        return self.hub.open(
+        """Refuse (raise) or submit: EmptyPrompt, PromptTooLong, InvalidRequest, QueueFull, Draining,
+        or a 429 ``deadline_unreachable`` when ``deadline_s`` (seconds from ``arrived``, a
+        ``perf_counter`` time) cannot be met (:mod:`labkit.service.deadline`)."""
+        judgement = self.deadline.check(deadline_s, arrived, max_new_tokens, self.config.retry_after_s)
+        stream = self.hub.open(
             list(prompt_ids),
             max_new_tokens=max_new_tokens,
             stop=stop or (),
@@ -59,6 +72,8 @@ class Service:
             seed=seed,
             ignore_eos=ignore_eos,
         )
+        self.deadline.admitted(judgement, stream.rid)
+        return stream
 
     def remember_flood(self, flood_id: str, record: Any, keep: int = 256) -> None:
         self.floods[flood_id] = record

@@ -9,6 +9,7 @@ its prompt is tokenized off the event loop, is :mod:`labkit.service.intake`'s.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from labkit.engine.events import FinishEvent, TokenEvent
 from labkit.hub.stream import Stream, StreamClosed, StreamError
 from labkit.schema import StreamEncoder
+from labkit.service.deadline import DeadlineSeconds
 from labkit.service.errors import ServiceError, public_message
 from labkit.service.frames import frames, start_frame, wire_bytes
 from labkit.service.intake import Count, Number, Prompt, Seed, Stop, prompt_ids
@@ -43,6 +45,7 @@ class GenerateRequest(BaseModel):
     top_p: Number = Field(1.0, gt=0, le=1)
     seed: Seed | None = None
     ignore_eos: StrictBool = False
+    deadline_s: DeadlineSeconds | None = None
 
 
 class StreamRequest(GenerateRequest):
@@ -65,6 +68,7 @@ def service_of(request: Request) -> Service:
 
 
 async def open_stream(service: Service, body: GenerateRequest) -> tuple[Stream, int]:
+    arrived = time.perf_counter()  # the deadline counts from here: the body has just been read
     ids = await prompt_ids(service.engine, body.prompt)
     stream = service.open(
         ids,
@@ -74,6 +78,8 @@ async def open_stream(service: Service, body: GenerateRequest) -> tuple[Stream, 
         top_p=body.top_p,
         seed=body.seed,
         ignore_eos=body.ignore_eos,
+        deadline_s=body.deadline_s,
+        arrived=arrived,
     )
     return stream, len(ids)
 
