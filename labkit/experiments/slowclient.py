@@ -17,9 +17,9 @@ The hub acts on its queue, after the kernel's buffers are full: ``pause`` when a
 ``high_water`` events behind, ``drop`` when it stays that far behind for ``stall_timeout``,
 ``pause_then_drop`` when it stays paused that long (``labkit.hub.policies``). The server's
 ``SO_SNDBUF`` is capped (Linux would otherwise grow it to hold a whole stream), and the sizes are
-chosen so that a reader at a tenth of the write rate falls that far behind, and stays paused past the
-stall timeout, well before its
-stream ends: a stream is ``max_new_tokens`` events, the buffers hold about a dozen.
+chosen so that a reader at a tenth of the write rate falls that far behind, and stays paused past
+the stall timeout, well before its stream ends: a stream is ``max_new_tokens`` events, the
+buffers hold about a dozen.
 
 Healthy completion is read in seconds (from the launch, the last healthy reader's end) and in
 steps (the engine step whose events released the last healthy sequence, counted from the run's
