@@ -84,8 +84,15 @@ def headless_chromium(width: int = 1000, height: int = 900) -> Iterator[Any]:
 
     options = Options()
     options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                f"--window-size={width},{height}", "--no-first-run", "--disable-extensions"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        f"--window-size={width},{height}",
+        "--no-first-run",
+        "--disable-extensions",
+    ):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
     try:
@@ -139,7 +146,9 @@ def open_page(driver: Any, base: str, config: Config, retry: int | None) -> dict
     driver.get(f"{base}/lab/demo?{urlencode(query)}")
     wanted = ["eventsource"] + (["fetch"] if retry is None else [])
     deadline = time.monotonic() + config.timeout
-    script = "const d = window.labkitDemo; return JSON.stringify(d ? {eventsource: d.eventsource, fetch: d.fetch} : {});"
+    script = (
+        "const d = window.labkitDemo; return JSON.stringify(d ? {eventsource: d.eventsource, fetch: d.fetch} : {});"
+    )
     while True:
         page = json.loads(driver.execute_script(script))
         if all(page.get(w) and (page[w].get("finished") or page[w].get("failure")) for w in wanted):
@@ -204,7 +213,8 @@ def verdicts(tables: dict[str, pd.DataFrame], config: Config) -> list[Verdict]:
     fetch = tables["events"][tables["events"].client == "fetch"]
     ref = tables["events"][(tables["events"].client == "eventsource") & (tables["events"].condition == UNINTERRUPTED)]
     same_fetch = all(
-        _content(fetch[fetch.repetition == r].to_dict("records")) == _content(ref[ref.repetition == r].to_dict("records"))
+        _content(fetch[fetch.repetition == r].to_dict("records"))
+        == _content(ref[ref.repetition == r].to_dict("records"))
         for r in ref.repetition.unique()
     )
     med = drops.groupby("retry_ms").reconnect_delay_ms.median()
@@ -269,12 +279,20 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
         t0 = mine.t.min()
         ax.plot(mine.t - t0, [i] * len(mine), "|", color="C0", markersize=8)
         for c in conns[(conns.condition == condition) & (conns.repetition == rep)].itertuples():
-            ax.plot(c.t - t0, i, "x" if c.kind == "network-error" else "o", color="C3" if c.kind != "open" else "C2",
-                    markersize=6, fillstyle="none")
+            ax.plot(
+                c.t - t0,
+                i,
+                "x" if c.kind == "network-error" else "o",
+                color="C3" if c.kind != "open" else "C2",
+                markersize=6,
+                fillstyle="none",
+            )
     ax.set_yticks(range(len(rows)), [f"{c} #{r + 1}" for c, r in rows])
     ax.invert_yaxis()
-    ax.set(xlabel="ms since the first event (| event, o connection opened, x connection cut)",
-           title="EventSource in headless Chromium: cut mid-stream, reconnected by itself")
+    ax.set(
+        xlabel="ms since the first event (| event, o connection opened, x connection cut)",
+        title="EventSource in headless Chromium: cut mid-stream, reconnected by itself",
+    )
     return [fig]
 
 

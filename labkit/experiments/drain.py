@@ -73,10 +73,27 @@ def free_port() -> int:
 
 def serve_argv(config: Config, port: int) -> list[str]:
     return [
-        sys.executable, "-m", "labkit.cli", "serve", "--model", config.model, "--port", str(port),
-        "--max-batch", "2", "--policy", "pause", "--pad-bytes", str(config.pad_bytes), "--sndbuf", "4096",
-        "--drain-grace", str(config.drain_grace), "--log-level", "warning",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "labkit.cli",
+        "serve",
+        "--model",
+        config.model,
+        "--port",
+        str(port),
+        "--max-batch",
+        "2",
+        "--policy",
+        "pause",
+        "--pad-bytes",
+        str(config.pad_bytes),
+        "--sndbuf",
+        "4096",
+        "--drain-grace",
+        str(config.drain_grace),
+        "--log-level",
+        "warning",
+    ]
 
 
 @contextlib.contextmanager
@@ -84,13 +101,16 @@ def labkit_serve(config: Config, port: int) -> Iterator[subprocess.Popen]:
     """``labkit serve`` as a child process, healthy on ``port``; killed after if still alive."""
     root = repo_root()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(serve_argv(config, port), cwd=root, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        serve_argv(config, port), cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + config.start_timeout
         while not _healthy(url):
             if proc.poll() is not None:
-                raise RuntimeError(f"labkit serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+                raise RuntimeError(
+                    f"labkit serve exited with {proc.returncode}: {proc.communicate(timeout=30)[1][-2000:]}"
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"labkit serve did not answer /healthz within {config.start_timeout} s")
             time.sleep(0.1)
@@ -121,11 +141,18 @@ class Reader(threading.Thread):
         self.failure: str | None = None
 
     def run(self) -> None:
-        body = {"prompt": f"Stream {self.index} before the restart", "max_new_tokens": self.config.tokens,
-                "ignore_eos": True, "resumable": self.resumable}  # fmt: skip
+        body = {
+            "prompt": f"Stream {self.index} before the restart",
+            "max_new_tokens": self.config.tokens,
+            "ignore_eos": True,
+            "resumable": self.resumable,
+        }
         parser = SSEParser()
         try:
-            with httpx.Client(timeout=self.config.timeout) as http, http.stream("POST", self.url + "/v1/stream", json=body) as r:
+            with (
+                httpx.Client(timeout=self.config.timeout) as http,
+                http.stream("POST", self.url + "/v1/stream", json=body) as r,
+            ):
                 self.status = r.status_code
                 self.request_id, self.token = r.headers.get("x-request-id"), r.headers.get("x-resume-token")
                 for chunk in r.iter_raw():
@@ -153,8 +180,10 @@ def hold_without_reading(url: str, config: Config) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect((host, int(port)))
     body = json.dumps({"prompt": "I never read", "max_new_tokens": config.tokens, "ignore_eos": True}).encode()
-    sock.sendall(b"POST /v1/stream HTTP/1.1\r\nhost: " + f"{host}:{port}".encode() + b"\r\ncontent-type: "
-                 b"application/json\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+    sock.sendall(
+        b"POST /v1/stream HTTP/1.1\r\nhost: " + f"{host}:{port}".encode() + b"\r\ncontent-type: "
+        b"application/json\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     return sock
 
 
@@ -167,11 +196,18 @@ def probe_until_refused(url: str, config: Config, stop: threading.Event, out: li
             try:
                 r = http.post(url + "/v1/generate", json=body, headers={"connection": "close"})
                 kind = (r.json().get("error") or {}).get("type") if r.status_code != 200 else None
-                out.append({"t": sent, "status": r.status_code, "error_type": kind,
-                            "retry_after": r.headers.get("retry-after")})  # fmt: skip
+                out.append(
+                    {
+                        "t": sent,
+                        "status": r.status_code,
+                        "error_type": kind,
+                        "retry_after": r.headers.get("retry-after"),
+                    }
+                )
             except httpx.HTTPError as exc:
-                out.append({"t": sent, "status": None, "error_type": f"refused ({type(exc).__name__})",
-                            "retry_after": None})  # fmt: skip
+                out.append(
+                    {"t": sent, "status": None, "error_type": f"refused ({type(exc).__name__})", "retry_after": None}
+                )
                 return
             stop.wait(config.probe_every)
 
@@ -215,15 +251,26 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
         again.wait(config.drain_grace + config.timeout)
     tick(progress)
     timeline = pd.DataFrame(
-        [{"t": e["t"] - signalled, "what": f"stream {r.index} {e['event']}", "stream": r.index} for r in readers
-         for e in r.events if e["t"] >= signalled or e["event"] == "start"]
+        [
+            {"t": e["t"] - signalled, "what": f"stream {r.index} {e['event']}", "stream": r.index}
+            for r in readers
+            for e in r.events
+            if e["t"] >= signalled or e["event"] == "start"
+        ]
         + [{"t": p["t"] - signalled, "what": f"probe {p['status'] or 'refused'}", "stream": None} for p in probes]
         + [{"t": exited - signalled, "what": "process exited", "stream": None}]
-    ).sort_values("t", kind="stable")  # fmt: skip
-    process = pd.DataFrame([{
-        "exit_code": code, "exited_after_s": exited - signalled, "drain_grace_s": config.drain_grace,
-        "traceback_in_stderr": "Traceback" in stderr, "stderr_tail": stderr.strip()[-300:],
-    }])  # fmt: skip
+    ).sort_values("t", kind="stable")
+    process = pd.DataFrame(
+        [
+            {
+                "exit_code": code,
+                "exited_after_s": exited - signalled,
+                "drain_grace_s": config.drain_grace,
+                "traceback_in_stderr": "Traceback" in stderr,
+                "stderr_tail": stderr.strip()[-300:],
+            }
+        ]
+    )
     probe_t = pd.DataFrame(probes)
     if len(probe_t):
         probe_t["t"] -= signalled
@@ -245,28 +292,42 @@ def stream_table(readers: list[Reader], signalled: float) -> pd.DataFrame:
         kind = None
         if term is not None and term["event"] == "error":
             kind = (json.loads(term["data"]).get("error") or {}).get("type")
-        rows.append({
-            "stream": r.index, "resumable": r.resumable, "status": r.status,
-            "tokens_before_signal": sum(e["event"] == "token" and e["t"] < signalled for e in r.events),
-            "tokens": r.tokens, "ended_by": term["event"] if term else "cut",
-            "error_type": kind, "last_event_id": r.events[-1]["id"] if r.events else None,
-            "ended_after_signal_s": r.ended - signalled, "client_error": r.failure,
-        })  # fmt: skip
+        rows.append(
+            {
+                "stream": r.index,
+                "resumable": r.resumable,
+                "status": r.status,
+                "tokens_before_signal": sum(e["event"] == "token" and e["t"] < signalled for e in r.events),
+                "tokens": r.tokens,
+                "ended_by": term["event"] if term else "cut",
+                "error_type": kind,
+                "last_event_id": r.events[-1]["id"] if r.events else None,
+                "ended_after_signal_s": r.ended - signalled,
+                "client_error": r.failure,
+            }
+        )
     return pd.DataFrame(rows)
 
 
 def reconnect_table(url: str, readers: list[Reader], config: Config) -> pd.DataFrame:
-    rows = []
+    rows: list[dict[str, Any]] = []
     with httpx.Client(timeout=config.timeout) as http:
         for r in readers:
             if not r.resumable or not r.request_id:
                 continue
             last = r.events[-1]["id"] if r.events else "0"
-            got = http.get(f"{url}/v1/streams/{r.request_id}/events", params={"token": r.token},
-                           headers={"Last-Event-ID": last})  # fmt: skip
-            rows.append({"stream": r.index, "last_event_id": last, "status": got.status_code,
-                         "error_type": (got.json().get("error") or {}).get("type") if got.status_code >= 400 else None,
-                         "body": got.text[:160]})  # fmt: skip
+            got = http.get(
+                f"{url}/v1/streams/{r.request_id}/events", params={"token": r.token}, headers={"Last-Event-ID": last}
+            )
+            rows.append(
+                {
+                    "stream": r.index,
+                    "last_event_id": last,
+                    "status": got.status_code,
+                    "error_type": (got.json().get("error") or {}).get("type") if got.status_code >= 400 else None,
+                    "body": got.text[:160],
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -275,11 +336,15 @@ def reconnect_table(url: str, readers: list[Reader], config: Config) -> pd.DataF
 
 def verdicts(tables: dict[str, pd.DataFrame], config: Config) -> list[Verdict]:
     streams, probes, process = tables["streams"], tables["probes"], tables["process"].iloc[0]
-    ended_ok = streams.apply(lambda s: s.ended_by == "done" or (s.ended_by == "error" and s.error_type == "shutdown"), axis=1)
+    ended_ok = streams.apply(
+        lambda s: s.ended_by == "done" or (s.ended_by == "error" and s.error_type == "shutdown"), axis=1
+    )
     answered = probes[probes.status.notna()] if len(probes) else probes
     refused_503 = bool(len(answered) and (answered.status == 503).all() and (answered.error_type == "draining").all())
     resumable_told = streams[streams.resumable]
-    told = bool(len(resumable_told) and ((resumable_told.ended_by == "done") | (resumable_told.error_type == "shutdown")).all())
+    told = bool(
+        len(resumable_told) and ((resumable_told.ended_by == "done") | (resumable_told.error_type == "shutdown")).all()
+    )
     reconnect = tables["reconnect"]
     return [
         Verdict(
@@ -318,9 +383,12 @@ def verdicts(tables: dict[str, pd.DataFrame], config: Config) -> list[Verdict]:
 
 def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
     p = tables["process"].iloc[0]
-    return {"exited_after_s": round(float(p.exited_after_s), 3), "exit_code": int(p.exit_code),
-            "ended_by": tables["streams"].ended_by.value_counts().to_dict(),
-            "probe_statuses": tables["probes"].status.value_counts(dropna=False).to_dict() if len(tables["probes"]) else {}}  # fmt: skip
+    return {
+        "exited_after_s": round(float(p.exited_after_s), 3),
+        "exit_code": int(p.exit_code),
+        "ended_by": tables["streams"].ended_by.value_counts().to_dict(),
+        "probe_statuses": tables["probes"].status.value_counts(dropna=False).to_dict() if len(tables["probes"]) else {},
+    }
 
 
 def plot(tables: dict[str, pd.DataFrame]) -> list:
@@ -333,7 +401,9 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
         mine = timeline[(timeline.stream == s.stream) & timeline.what.str.endswith(" token")]
         ax.plot(mine.t, [i] * len(mine), "|", color="C0", markersize=7)
         end = timeline[(timeline.stream == s.stream) & timeline.what.str.match(r"stream \d+ (done|error)$")]
-        ax.plot(end.t, [i] * len(end), "s" if s.ended_by == "error" else "o", color="C3" if s.ended_by == "error" else "C2")
+        ax.plot(
+            end.t, [i] * len(end), "s" if s.ended_by == "error" else "o", color="C3" if s.ended_by == "error" else "C2"
+        )
         labels.append(f"stream {s.stream}{' (resumable)' if s.resumable else ''}")
     row = len(labels)
     if len(probes):
@@ -347,6 +417,8 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
     ax.set_xlim(left=min(-0.3, float(timeline.t.min()) if len(timeline) else -0.3))
-    ax.set(xlabel="seconds since SIGTERM (black); the process exits at the red dashed line",
-           title="Drain: open streams end (square: error shutdown, dot: done), new requests get 503")
+    ax.set(
+        xlabel="seconds since SIGTERM (black); the process exits at the red dashed line",
+        title="Drain: open streams end (square: error shutdown, dot: done), new requests get 503",
+    )
     return [fig]

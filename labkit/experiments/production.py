@@ -529,9 +529,11 @@ def readings(tables: dict[str, pd.DataFrame]) -> list[Any]:
     )
     gzip = held("gzip-buffering-on-accel-ignored") is True and held("gzip-buffering-off") is False
     keep = tables["keepalive_summary"].set_index("pings")
-    pings = bool(
-        keep.loc["on", "survived"] == keep.loc["on", "runs"] and keep.loc["off", "survived"] == 0
-    ) if {"on", "off"} <= set(keep.index) else False
+    pings = (
+        bool(keep.loc["on", "survived"] == keep.loc["on", "runs"] and keep.loc["off", "survived"] == 0)
+        if {"on", "off"} <= set(keep.index)
+        else False
+    )
     return [
         Verdict(
             "nginx holds events back when it buffers",
@@ -540,15 +542,20 @@ def readings(tables: dict[str, pd.DataFrame]) -> list[Any]:
             "the buffered condition passes events on like the direct baseline, or an unbuffered one holds them",
             buffering,
             "median hold-back per repetition: "
-            + "; ".join(f"{c} {delays(c)}" for c in (DIRECT, "buffering-on-accel-ignored", "buffering-off", "buffering-on")
-                        if c in hold.index),
+            + "; ".join(
+                f"{c} {delays(c)}"
+                for c in (DIRECT, "buffering-on-accel-ignored", "buffering-off", "buffering-on")
+                if c in hold.index
+            ),
         ),
         Verdict(
             "gzip holds a buffered stream",
             "gzip on a buffered proxy holds events back; unbuffered, nginx flushes gzip on every read",
             "the buffered gzip condition is not held, or the unbuffered one is",
             gzip,
-            "; ".join(f"{c} {delays(c)}" for c in ("gzip-buffering-on-accel-ignored", "gzip-buffering-off") if c in hold.index),
+            "; ".join(
+                f"{c} {delays(c)}" for c in ("gzip-buffering-on-accel-ignored", "gzip-buffering-off") if c in hold.index
+            ),
         ),
         Verdict(
             "pings keep a quiet stream through the proxy",

@@ -131,8 +131,14 @@ async def _load(url: str, config: Config, progress: Progress | None, out: list[d
             if wave + 1 < config.waves:
                 await asyncio.sleep(config.wave_gap_s)
         for r in await asyncio.gather(*tasks):
-            out.append({"sent_s": r.sent - t0, "status": r.status, "tokens": len(r.tokens),
-                        "ended_by": r.terminal.event if r.terminal else "cut"})  # fmt: skip
+            out.append(
+                {
+                    "sent_s": r.sent - t0,
+                    "status": r.status,
+                    "tokens": len(r.tokens),
+                    "ended_by": r.terminal.event if r.terminal else "cut",
+                }
+            )
 
 
 def buckets(scrapes: pd.DataFrame, short: str) -> tuple[list[str], np.ndarray]:
@@ -163,8 +169,13 @@ def verdicts(tables: dict[str, pd.DataFrame], config: Config) -> list[Verdict]:
             "After the load, the first-token histogram counts every request, nothing is open or queued "
             "and no KV block is held",
             "a count other than the number of requests, or anything still open, queued or held",
-            bool(last.ttft_count == n and last.labkit_open_streams == 0 and last.labkit_queue_depth == 0
-                 and last.labkit_kv_blocks_in_use == 0 and (req.ended_by == "done").all()),  # fmt: skip
+            bool(
+                last.ttft_count == n
+                and last.labkit_open_streams == 0
+                and last.labkit_queue_depth == 0
+                and last.labkit_kv_blocks_in_use == 0
+                and (req.ended_by == "done").all()
+            ),
             f"ttft count {int(last.ttft_count)} for {n} requests; open {int(last.labkit_open_streams)}, "
             f"KV blocks in use {int(last.labkit_kv_blocks_in_use)} at the last scrape",
         ),
@@ -173,8 +184,12 @@ def verdicts(tables: dict[str, pd.DataFrame], config: Config) -> list[Verdict]:
 
 def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
     s = tables["scrapes"]
-    return {"scrapes": len(s), "max_open_streams": int(s.labkit_open_streams.max()),
-            "max_queue_depth": int(s.labkit_queue_depth.max()), "max_kv_blocks_in_use": int(s.labkit_kv_blocks_in_use.max())}  # fmt: skip
+    return {
+        "scrapes": len(s),
+        "max_open_streams": int(s.labkit_open_streams.max()),
+        "max_queue_depth": int(s.labkit_queue_depth.max()),
+        "max_kv_blocks_in_use": int(s.labkit_kv_blocks_in_use.max()),
+    }
 
 
 def plot(tables: dict[str, pd.DataFrame]) -> list:
@@ -196,8 +211,13 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
         labels, new = buckets(s, short)
         if not labels:
             continue
-        image = axis.pcolormesh(np.append(s.t.to_numpy(), s.t.iloc[-1] + 0.5), np.arange(len(labels) + 1),
-                                new.T, shading="flat", cmap="Blues")  # fmt: skip
+        image = axis.pcolormesh(
+            np.append(s.t.to_numpy(), s.t.iloc[-1] + 0.5),
+            np.arange(len(labels) + 1),
+            new.T,
+            shading="flat",
+            cmap="Blues",
+        )
         axis.set_yticks(np.arange(len(labels)) + 0.5, [f"≤{lab}" for lab in labels], fontsize=6)
         axis.set(ylabel=f"{what} (s)")
         fig.colorbar(image, ax=axis, label="new observations")

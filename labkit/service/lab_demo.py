@@ -26,8 +26,8 @@ from fastapi.responses import HTMLResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from labkit.service.connections import TRANSPORT_KEY
+from labkit.service.responses import SSE_HEADERS, SSE_MEDIA_TYPE, ClosingStreamingResponse
 from labkit.service.resume import parse_cursor
-from labkit.service.responses import ClosingStreamingResponse, SSE_HEADERS, SSE_MEDIA_TYPE
 
 router = APIRouter()
 PAGE = Path(__file__).with_name("static") / "demo.html"
