@@ -310,3 +310,11 @@ def chromium_version() -> str | None:
         return subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=20).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def report(tables: dict[str, pd.DataFrame], config: Config) -> str:
+    """Numbers-free lines for an nbval-checked cell: the verdicts that hold on any profile
+    (the reconnect delay is a timing, and stays in the unchecked table)."""
+    from labkit.experiments.readings import verdict_lines
+
+    return verdict_lines(v for v in verdicts(tables, config) if v.name != "retry sets the reconnect delay")

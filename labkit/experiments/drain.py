@@ -225,7 +225,14 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
             time.sleep(0.2)  # the holder is admitted first and keeps its slot
             for r in readers:
                 r.start()
-            _wait(lambda: any(r.tokens >= 3 for r in readers), config.timeout, "a stream's first tokens")
+            _wait(  # every stream open (admitted, running or queued), and one of them decoding
+                lambda: (
+                    all(r.status is not None or not r.is_alive() for r in readers)
+                    and any(r.tokens >= 3 for r in readers)
+                ),
+                config.timeout,
+                "every stream to open and one to have its first tokens",
+            )
             stop = threading.Event()
             prober = threading.Thread(target=probe_until_refused, args=(url, config, stop, probes), daemon=True)
             doing(progress, "SIGTERM")
@@ -422,3 +429,10 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
         title="Drain: open streams end (square: error shutdown, dot: done), new requests get 503",
     )
     return [fig]
+
+
+def report(tables: dict[str, pd.DataFrame], config: Config) -> str:
+    """Numbers-free lines for an nbval-checked cell; the exit time is a timing and stays unchecked."""
+    from labkit.experiments.readings import verdict_lines
+
+    return verdict_lines(v for v in verdicts(tables, config) if v.name != "exits within its drain timeout")

@@ -223,3 +223,10 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
         fig.colorbar(image, ax=axis, label="new observations")
     ax_gap.set(xlabel="seconds since the first scrape")
     return [fig]
+
+
+def report(tables: dict[str, pd.DataFrame], config: Config) -> str:
+    """Numbers-free lines for an nbval-checked cell."""
+    from labkit.experiments.readings import verdict_lines
+
+    return verdict_lines(verdicts(tables, config))
