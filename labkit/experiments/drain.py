@@ -262,7 +262,6 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
             {"t": e["t"] - signalled, "what": f"stream {r.index} {e['event']}", "stream": r.index}
             for r in readers
             for e in r.events
-            if e["t"] >= signalled or e["event"] == "start"
         ]
         + [{"t": p["t"] - signalled, "what": f"probe {p['status'] or 'refused'}", "stream": None} for p in probes]
         + [{"t": exited - signalled, "what": "process exited", "stream": None}]
@@ -423,7 +422,7 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
         ax.axvline(t, color="C3", linestyle="--", linewidth=1)
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
-    ax.set_xlim(left=min(-0.3, float(timeline.t.min()) if len(timeline) else -0.3))
+    ax.set_xlim(left=-0.5)  # the last half second before the signal: tokens were flowing
     ax.set(
         xlabel="seconds since SIGTERM (black); the process exits at the red dashed line",
         title="Drain: open streams end (square: error shutdown, dot: done), new requests get 503",
