@@ -346,7 +346,14 @@ def verdicts(tables: dict[str, pd.DataFrame], config: Config) -> list[Verdict]:
         lambda s: s.ended_by == "done" or (s.ended_by == "error" and s.error_type == "shutdown"), axis=1
     )
     answered = probes[probes.status.notna()] if len(probes) else probes
-    refused_503 = bool(len(answered) and (answered.status == 503).all() and (answered.error_type == "draining").all())
+    # 503 "draining" is the refusal; a request that got in at the very moment of the signal was
+    # admitted and then ended by the drain itself: 503 "shutdown". Both carry Retry-After.
+    refused_503 = bool(
+        len(answered)
+        and (answered.status == 503).all()
+        and answered.error_type.isin(["draining", "shutdown"]).all()
+        and answered.retry_after.notna().all()
+    )
     resumable_told = streams[streams.resumable]
     told = bool(
         len(resumable_told) and ((resumable_told.ended_by == "done") | (resumable_told.error_type == "shutdown")).all()
@@ -363,10 +370,11 @@ def verdicts(tables: dict[str, pd.DataFrame], config: Config) -> list[Verdict]:
         ),
         Verdict(
             "drain refuses new work",
-            "A request that reaches the server during the drain gets 503 (type draining, with Retry-After)",
+            "A request that reaches the server during the drain gets 503 with Retry-After (type draining; "
+            "shutdown for one admitted at the very moment of the signal and ended by the drain)",
             "any answered request during the drain with another status, or none answered at all",
             refused_503,
-            f"{len(answered)} answered (statuses {sorted(set(answered.status.astype(int))) if len(answered) else []}), "
+            f"{len(answered)} answered: {answered.groupby(['status', 'error_type']).size().to_dict() if len(answered) else {}}, "
             f"then {len(probes) - len(answered)} refused at the socket",
         ),
         Verdict(
