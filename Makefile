@@ -73,6 +73,12 @@ system-deps:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx; } \
 			|| echo "apt-get could not install nginx: the proxy experiment's tests and cells will skip"; \
 	else echo "nginx is not installed and cannot be installed here (not root, or no apt-get): apt-get install nginx"; fi
+	@if test -x /usr/bin/chromium && test -x /usr/bin/chromedriver; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
+			|| echo "apt-get could not install chromium: the browser experiment's tests and cells will skip"; \
+	else echo "chromium or chromedriver is missing and cannot be installed here (not root, or no apt-get):" \
+		"apt-get install chromium chromium-driver"; fi
 
 # labkit's code: ruff (lint and format) and mypy, as configured in pyproject.toml. Part of make test.
 lint: $(STAMP)

@@ -505,3 +505,63 @@ def plot(tables: dict[str, pd.DataFrame]) -> list:
     ax2.set(ylabel="seconds until the stream ended", title="A quiet stream through nginx (green: done; red: cut)")
     ax2.legend()
     return [fig, fig2]
+
+
+# --------------------------------------------------------------------------- readings
+
+
+def readings(tables: dict[str, pd.DataFrame]) -> list[Any]:
+    """The verdicts of notebook 08's proxy section, computed from the hold-back and keep-alive tables."""
+    from labkit.experiments.readings import Verdict, span
+
+    hold = tables["holdback"].set_index("condition")
+    events = tables["events"]
+
+    def held(c: str) -> bool | None:
+        return bool(hold.loc[c, "holds_back"]) if c in hold.index else None
+
+    def delays(c: str) -> str:
+        per_rep = events[events.condition == c].groupby("repetition").delay.median() * 1000
+        return span(per_rep, "{:.1f}", " ms")
+
+    buffering = held("buffering-on-accel-ignored") is True and all(
+        held(c) is False for c in ("buffering-off", "buffering-off-accel-ignored", "buffering-on") if c in hold.index
+    )
+    gzip = held("gzip-buffering-on-accel-ignored") is True and held("gzip-buffering-off") is False
+    keep = tables["keepalive_summary"].set_index("pings")
+    pings = (
+        bool(keep.loc["on", "survived"] == keep.loc["on", "runs"] and keep.loc["off", "survived"] == 0)
+        if {"on", "off"} <= set(keep.index)
+        else False
+    )
+    return [
+        Verdict(
+            "nginx holds events back when it buffers",
+            "With proxy_buffering on and X-Accel-Buffering ignored, nginx holds events back; with "
+            "buffering off, or the service's X-Accel-Buffering: no honoured, it passes each on at once",
+            "the buffered condition passes events on like the direct baseline, or an unbuffered one holds them",
+            buffering,
+            "median hold-back per repetition: "
+            + "; ".join(
+                f"{c} {delays(c)}"
+                for c in (DIRECT, "buffering-on-accel-ignored", "buffering-off", "buffering-on")
+                if c in hold.index
+            ),
+        ),
+        Verdict(
+            "gzip holds a buffered stream",
+            "gzip on a buffered proxy holds events back; unbuffered, nginx flushes gzip on every read",
+            "the buffered gzip condition is not held, or the unbuffered one is",
+            gzip,
+            "; ".join(
+                f"{c} {delays(c)}" for c in ("gzip-buffering-on-accel-ignored", "gzip-buffering-off") if c in hold.index
+            ),
+        ),
+        Verdict(
+            "pings keep a quiet stream through the proxy",
+            "A stream quieter than proxy_read_timeout survives with the service's pings and is cut without",
+            "a quiet stream with pings is cut, or one without pings survives",
+            pings,
+            "; ".join(f"pings {p}: {int(r.survived)}/{int(r.runs)} survived" for p, r in keep.iterrows()),
+        ),
+    ]

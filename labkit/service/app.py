@@ -24,7 +24,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from labkit.service import lab_routes, openai, openapi, resume, streaming
+from labkit.service import lab_demo, lab_routes, openai, openapi, resume, streaming
 from labkit.service.config import ServiceConfig
 from labkit.service.errors import BodyLimit, error_response, install_error_handlers
 from labkit.service.guards import HostGuard, RetryAfterOn503
@@ -53,6 +53,7 @@ def build_app(engine: Any, hub: Any, config: ServiceConfig) -> FastAPI:
         app.include_router(module.router)
     if config.http.lab_routes:
         app.include_router(lab_routes.router)
+        app.include_router(lab_demo.router)
     _add_operations(app)
     return app
 

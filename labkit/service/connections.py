@@ -35,6 +35,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from labkit.service.config import HttpConfig
 from labkit.service.errors import envelope
 
+TRANSPORT_KEY = "labkit.transport"  # the scope key naming the connection's transport
 CLOSE_REASONS = ("idle_timeout", "header_timeout", "body_timeout", "send_timeout", "over_capacity")
 
 
@@ -172,6 +173,7 @@ class GuardedH11Protocol(H11Protocol):
                 )
                 await send({"type": "http.response.body", "body": _body("over_capacity", message)})
                 return
+            scope[TRANSPORT_KEY] = self.transport  # for a lab route that must cut its connection (lab_demo)
             await app(scope, receive, send)
 
         return capped
