@@ -36,7 +36,6 @@ model_name = ""  # "" runs the profile's model
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-import importlib.util
 
 from IPython.display import Image, Markdown, display
 
@@ -239,25 +238,21 @@ server_cm.__exit__(None, None, None)  # the shared server stops here
 #
 # Requests may carry a deadline; the gate predicts completion from the queue ahead and the
 # measured step cost and refuses (429 with `Retry-After`, before the first byte) what cannot
-# finish in time. Goodput against offered load, with and without the gate. (This section runs
-# where `labkit.experiments.deadline` exists.)
+# finish in time. Goodput against offered load, with and without the gate.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-if importlib.util.find_spec("labkit.experiments.deadline") is None:
-    print("skipped: labkit.experiments.deadline is not in this tree yet")
-else:
-    from labkit.experiments import deadline
+from labkit.experiments import deadline
 
-    deadline_config = deadline.Config.for_profile(profile)
-    display(settings_table(deadline_config))
-    with measuring(deadline, deadline_config, profile) as progress:
-        tables["deadline"] = deadline.run(deadline_config, server=None, progress=progress)
-    machines["deadline"] = progress.machine
-    verdicts["deadline"] = list(deadline.verdicts(tables["deadline"]))
-    figures = deadline.plot(tables["deadline"])
-    save_run(deadline, deadline_config, profile, tables["deadline"], progress.elapsed_s, figures,
-             machine=progress.machine)
+deadline_config = deadline.Config.for_profile(profile)
+display(settings_table(deadline_config))
+with measuring(deadline, deadline_config, profile) as progress:
+    tables["deadline"] = deadline.run(deadline_config, server=None, progress=progress)
+machines["deadline"] = progress.machine
+verdicts["deadline"] = list(deadline.verdicts(tables["deadline"]))
+figures = deadline.plot(tables["deadline"])
+save_run(deadline, deadline_config, profile, tables["deadline"], progress.elapsed_s, figures,
+         machine=progress.machine)
 
 # %% [markdown]
 # ## Verdicts
@@ -283,6 +278,7 @@ if "browser" in tables:
     print(browser.report(tables["browser"], browser_config))
 print(drain.report(tables["drain"], drain_config))
 print(watch.report(tables["watch"], watch_config))
+print(verdict_lines(verdicts["deadline"][:1]))  # the gate refuses only what would miss its deadline
 
 # %%
 # NBVAL_IGNORE_OUTPUT
