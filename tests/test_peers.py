@@ -12,6 +12,7 @@ from labkit.experiments import peers
 from labkit.experiments.profiles import Profile
 from labkit.experiments.target import TargetError
 from labkit.experiments.target_cli import measure_target
+from labkit.experiments.target_leak import ENDINGS
 from labkit.experiments.target_probe import connect
 from labkit.experiments.target_runs import OverlapConfig, run_overlap
 from labkit.experiments.target_slow import SlowConfig, run_slow
@@ -89,9 +90,8 @@ def test_labkit_started_as_a_process_is_measured_and_stopped(tmp_path) -> None:
     config = peers.Config.for_profile(Profile("ci", "tiny-llama"))
     with peers.serve(peers.LABKIT, config, tmp_path) as server:
         tables = run_overlap(connect(server.url, pid=server.pid), OverlapConfig(levels=(1, 2), max_tokens=4))
-        pid = server.pid
     assert (tables["runs"].tokens == tables["runs"].level * 4).all()
-    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
+    assert not Path(f"/proc/{server.pid}").exists()  # stopped and reaped
 
 
 @pytest.mark.slow
@@ -114,6 +114,32 @@ def test_transformers_serve_is_probed_not_named_and_runs_overlap_to_max_tokens(t
         assert target.quirks.eos_flags["ignore_eos"].startswith("refused (HTTP 422")
         assert not target.quirks.sends_done
         tables = measure_target("overlap", target, Profile("ci"), levels=(1, 2), max_tokens=6)
+    assert not Path(f"/proc/{server.pid}").exists()  # stopped and reaped, no thread left spinning
     runs = tables["runs"]
     assert runs.errors.sum() == 0 and runs.short_streams.sum() == 0
     assert (runs.tokens == runs.level * 6).all()
+
+
+# --------------------------------------------------------------------------- the leak test over HTTP
+
+
+@pytest.mark.slow
+def test_after_streams_ended_every_way_labkit_is_back_where_it_started(out) -> None:
+    with labkit_serve_process("--max-batch", "8") as (url, proc):
+        tables = measure_target("leak", connect(url, pid=proc.pid), Profile("ci"), streams=16, concurrency=8)
+    endings, state = tables["endings"], tables["state"].set_index("witness")
+    assert set(endings.ending) == {name for name, _ in ENDINGS} and (endings.streams == 4).all()
+    assert (endings.errors == 0).all() and endings.set_index("ending").left["read to the end"] == 0
+    assert state.loc["free_blocks", "back"] == "yes" and state.loc["running", "after"] == 0
+    assert state.loc["open_streams", "after"] == 0
+    assert state.loc["cpu_s_per_s", "back"] == "yes", state
+
+
+@pytest.mark.slow
+def test_the_leak_test_against_a_server_without_internals_says_what_it_cannot_see(out) -> None:
+    with uvicorn_in_thread(quirky_stub()) as url:
+        tables = measure_target("leak", connect(url), Profile("ci"), streams=8, concurrency=4, max_tokens=8)
+    state = tables["state"].set_index("witness")
+    assert state.loc["free_blocks", "back"].startswith("not available")
+    assert state.loc["cpu_s_per_s", "back"] == "not available (no pid given)"
+    assert tables["endings"].errors.sum() == 0

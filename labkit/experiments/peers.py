@@ -156,7 +156,7 @@ def command(name: str, config: Config, port: int) -> list[str]:
         sys.executable, "-c", script, "serve", str(folder), "--continuous-batching", "--device", "cpu",
         "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
         "--cb-block-size", str(config.block_size), "--cb-num-blocks", str(config.num_blocks),
-        "--cb-max-batch-tokens", str(4 * 1024), "--log-level", "warning",
+        "--cb-max-batch-tokens", str(4 * 1024), "--log-level", "info",
     ]  # fmt: skip
 
 
@@ -179,17 +179,23 @@ def serve(name: str, config: Config, log_dir: Path) -> Iterator[Server]:
         shown = " ".join(Path(a).name for a in argv[3:])
         yield Server(name, url, proc.pid, time.perf_counter() - t0, f"{name.split()[0]} {shown}")
     finally:
-        stop(proc)
+        stop(proc, log)
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen, log: Path | None = None, grace_s: float = 10.0) -> None:
+    """SIGINT, then SIGKILL once the server says it finished (transformers serve keeps a thread
+    spinning at full CPU after "Finished server process") or after ``grace_s``; always reaped."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        deadline = time.monotonic() + grace_s
+        while proc.poll() is None and time.monotonic() < deadline:
+            if log is not None and b"Finished server process" in log.read_bytes()[-4096:]:
+                time.sleep(0.2)  # its own exit, if it comes, comes now
+                break
+            time.sleep(0.05)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
 
 
 def _free_port() -> int:
