@@ -42,8 +42,10 @@ async def read_stream(
     drain_after_fin_s: float = 0.5,
     leave: Leave | None = None,
     result: StreamResult | None = None,
+    path: str = "/v1/stream",
+    headers: dict[str, str] | None = None,
 ) -> StreamResult:
-    """POST ``body``; read at most ``read_bytes`` per read, sleep ``sleep`` s after each; leave by
+    """POST ``body`` to ``path`` (an OpenAI target's ``/v1/completions`` too); read at most ``read_bytes`` per read, sleep ``sleep`` s after each; leave by
     ``leave_by`` after ``leave_after_tokens`` tokens, after ``leave_after_s`` s, or when ``leave``
     is set. After a FIN it reads on (uncounted) until the server closes, so the close stays a FIN
     and not an RST. Never raises for I/O."""
@@ -53,7 +55,7 @@ async def read_stream(
     with recorded(conn, result):
         await conn.connect()
         result.sent = time.perf_counter()
-        await conn.send_post("/v1/stream", body)
+        await conn.send_post(path, body, headers)
         stop = _Stop(result.sent + leave_after_s, leave or Leave(), leave_after_tokens)
         await _read_body(conn, result, sleep, read_bytes, stop)
         if result.ended is None:

@@ -18,6 +18,7 @@ the target and what failed; the command line prints it and exits non-zero.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -247,4 +248,6 @@ class Target:
 EOS_FLAGS = {
     "ignore_eos": lambda n: {"ignore_eos": True},
     "min_tokens": lambda n: {"min_tokens": n},
+    # transformers serve: a per-request GenerationConfig (JSON text) whose eos id -1 matches no token
+    "generation_config": lambda n: {"generation_config": json.dumps({"eos_token_id": -1})},
 }

@@ -1,0 +1,145 @@
+"""Notebook 09's parts: the slow-reader probe against any target, and labkit and transformers serve
+started as processes of this interpreter on loopback, probed and measured by the same client."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from target_helpers import labkit_serve_process, quirky_stub, uvicorn_in_thread
+
+from labkit.experiments import peers
+from labkit.experiments.profiles import Profile
+from labkit.experiments.target import TargetError
+from labkit.experiments.target_cli import measure_target
+from labkit.experiments.target_leak import ENDINGS
+from labkit.experiments.target_probe import connect
+from labkit.experiments.target_runs import OverlapConfig, run_overlap
+from labkit.experiments.target_slow import SlowConfig, run_slow
+
+
+@pytest.fixture
+def out(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_OUT", str(tmp_path))
+    return tmp_path
+
+
+# --------------------------------------------------------------------------- sizes and commands
+
+
+def test_the_full_profile_runs_the_issue_s_sweep_with_interleaved_repetitions() -> None:
+    config = peers.Config.for_profile(Profile("full"))
+    assert config.model == "smollm2-135m"
+    assert config.overlap.levels == (1, 4, 16, 32) and config.overlap.max_tokens == 64
+    assert min(config.overlap.repetitions, config.disconnect.repetitions, config.slow.repetitions) >= 3
+    assert 0 in config.slow.slow and config.slow.read_ratio <= 0.5
+
+
+def test_both_servers_run_in_this_interpreter_with_the_same_cache_and_weights() -> None:
+    config = peers.Config.for_profile(Profile("ci", "tiny-llama"))
+    ours, theirs = peers.command(peers.LABKIT, config, 1234), peers.command(peers.TRANSFORMERS, config, 1235)
+    assert ours[0] == theirs[0] == sys.executable
+    assert ours[ours.index("--num-blocks") + 1] == theirs[theirs.index("--cb-num-blocks") + 1] == str(config.num_blocks)
+    assert ours[ours.index("--block-size") + 1] == theirs[theirs.index("--cb-block-size") + 1]
+    assert {"--continuous-batching", "float32", "cpu", "127.0.0.1"} <= set(theirs)
+    assert Path(theirs[theirs.index("serve") + 1]) == peers.model_folder(config.model)
+
+
+def test_a_model_the_peer_cannot_serve_from_a_saved_folder_is_refused() -> None:
+    with pytest.raises(ValueError, match="saved Llama folder"):
+        peers.Config.for_profile(Profile("ci"))  # tiny-gpt2
+
+
+@pytest.mark.parametrize("bad", [{"slow": (1, 2)}, {"read_ratio": 0.8}, {"repetitions": 2}])
+def test_a_slow_probe_without_a_baseline_or_with_readers_that_keep_up_is_refused(bad) -> None:
+    with pytest.raises(ValueError, match="SlowConfig"):
+        SlowConfig(**bad)
+
+
+# --------------------------------------------------------------------------- the slow-reader probe
+
+
+@pytest.mark.slow
+def test_slow_readers_against_labkit_read_at_most_half_its_write_rate_beside_a_same_run_baseline() -> None:
+    with labkit_serve_process("--max-batch", "8") as (url, _proc):
+        config = SlowConfig(healthy=2, slow=(0, 2), max_tokens=12, repetitions=3)
+        tables = run_slow(connect(url), config)
+    runs, effects = tables["runs"], tables["effects"].set_index("slow_readers")
+    assert list(runs.slow_readers) == [0, 2] * 3  # interleaved
+    assert (runs.healthy_errors == 0).all() and (runs.healthy_tokens == 2 * 12).all()
+    assert (runs[runs.slow_readers == 2].achieved_ratio <= 0.5).all()
+    assert (runs[runs.slow_readers == 2].slow_bytes_read > 0).all()
+    assert effects.loc[0, "effect"] == pytest.approx(1.0)  # k = 0 against its own median
+    assert (tables["unavailable"].status == "not available").all()
+
+
+@pytest.mark.slow
+def test_slow_readers_against_a_server_without_done_or_usage_complete(out) -> None:
+    with uvicorn_in_thread(quirky_stub()) as url:
+        tables = measure_target("slowclient", connect(url), Profile("ci"), healthy=2, slow=(0, 1), max_tokens=8)
+    runs = tables["runs"]
+    assert (runs.healthy_errors == 0).all() and (runs.healthy_tokens == 2 * 8).all()
+    assert (out / "data" / "target-slowclient" / "effects.csv").exists()
+
+
+# --------------------------------------------------------------------------- the servers as processes
+
+
+@pytest.mark.slow
+def test_labkit_started_as_a_process_is_measured_and_stopped(tmp_path) -> None:
+    config = peers.Config.for_profile(Profile("ci", "tiny-llama"))
+    with peers.serve(peers.LABKIT, config, tmp_path) as server:
+        tables = run_overlap(connect(server.url, pid=server.pid), OverlapConfig(levels=(1, 2), max_tokens=4))
+    assert (tables["runs"].tokens == tables["runs"].level * 4).all()
+    assert not Path(f"/proc/{server.pid}").exists()  # stopped and reaped
+
+
+@pytest.mark.slow
+def test_a_server_that_exits_at_start_is_refused_in_one_line(tmp_path) -> None:
+    config = peers.Config("no-such-model", start_timeout_s=60)
+    with pytest.raises(TargetError, match=r"labkit exited with status \d+"):
+        with peers.serve(peers.LABKIT, config, tmp_path):
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(peers.peer_missing() is not None, reason=str(peers.peer_missing()))
+def test_transformers_serve_is_probed_not_named_and_runs_overlap_to_max_tokens(tmp_path, out) -> None:
+    """transformers serve refuses ignore_eos and min_tokens (422), sends no [DONE] and usage always;
+    a per-request generation_config with no eos id makes its streams run to max_tokens."""
+    config = peers.Config.for_profile(Profile("ci", "tiny-llama"))
+    with peers.serve(peers.TRANSFORMERS, config, tmp_path) as server:
+        target = connect(server.url, pid=server.pid)
+        assert target.quirks.eos_flag == "generation_config"
+        assert target.quirks.eos_flags["ignore_eos"].startswith("refused (HTTP 422")
+        assert not target.quirks.sends_done
+        tables = measure_target("overlap", target, Profile("ci"), levels=(1, 2), max_tokens=6)
+    assert not Path(f"/proc/{server.pid}").exists()  # stopped and reaped, no thread left spinning
+    runs = tables["runs"]
+    assert runs.errors.sum() == 0 and runs.short_streams.sum() == 0
+    assert (runs.tokens == runs.level * 6).all()
+
+
+# --------------------------------------------------------------------------- the leak test over HTTP
+
+
+@pytest.mark.slow
+def test_after_streams_ended_every_way_labkit_is_back_where_it_started(out) -> None:
+    with labkit_serve_process("--max-batch", "8") as (url, proc):
+        tables = measure_target("leak", connect(url, pid=proc.pid), Profile("ci"), streams=16, concurrency=8)
+    endings, state = tables["endings"], tables["state"].set_index("witness")
+    assert set(endings.ending) == {name for name, _ in ENDINGS} and (endings.streams == 4).all()
+    assert (endings.errors == 0).all() and endings.set_index("ending").left["read to the end"] == 0
+    assert state.loc["free_blocks", "back"] == "yes" and state.loc["running", "after"] == 0
+    assert state.loc["open_streams", "after"] == 0
+    assert state.loc["cpu_s_per_s", "back"] == "yes", state
+
+
+@pytest.mark.slow
+def test_the_leak_test_against_a_server_without_internals_says_what_it_cannot_see(out) -> None:
+    with uvicorn_in_thread(quirky_stub()) as url:
+        tables = measure_target("leak", connect(url), Profile("ci"), streams=8, concurrency=4, max_tokens=8)
+    state = tables["state"].set_index("witness")
+    assert state.loc["free_blocks", "back"].startswith("not available")
+    assert state.loc["cpu_s_per_s", "back"] == "not available (no pid given)"
+    assert tables["endings"].errors.sum() == 0
