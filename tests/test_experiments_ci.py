@@ -59,11 +59,14 @@ def test_run_experiment_writes_tables_results_and_figures(tmp_path, monkeypatch)
 
     monkeypatch.setenv("LABKIT_OUT", str(tmp_path))
     outcome = run_experiment("wire", Profile("ci"), prompts=2, max_new_tokens=4, concurrency=1)
-    assert {p.name for p in outcome.csvs} == {"streams.csv", "checks.csv", "events.csv"}
+    assert {p.name for p in outcome.csvs} == {
+        "streams.csv", "checks.csv", "events.csv", "raw.csv", "raw_chunks.csv", "awkward.csv"
+    }
     assert all(p.exists() for p in outcome.csvs + outcome.figures)
     assert not (tmp_path / "data" / "wire" / "partial").exists()  # the finished run replaced it
     record = json.loads(outcome.results.read_text())
     assert record["environment"]["profile"] == "ci" and record["config"]["prompts"] == 2
+    assert record["machine"]["cpu_s"] > 0 and "quiet" in record["machine"]  # the run's machine record
     assert record["figures"] == ["figures/wire_bytes.png"]
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)

@@ -112,7 +112,9 @@ def run_experiment(
     with measuring(module, config, profile, show=show_progress) as progress:
         tables = module.run(config, progress=progress)
     elapsed = progress.elapsed_s
-    written = save_run(module, config, profile, tables, elapsed, figures=None if figures else [])
+    written = save_run(
+        module, config, profile, tables, elapsed, figures=None if figures else [], machine=progress.machine
+    )
     _close_figures()
     return Outcome(name, tables, written["csvs"], written["figures"], written["results"], elapsed)
 
