@@ -85,7 +85,8 @@ def test_the_report_of_the_committed_data_is_the_committed_checked_output(name):
     notebook, _ = CASES[name]
     report = load(name).report(committed_tables(name))
     assert not any(alarm in report for alarm in ALARMS), report
-    assert checked_output(notebook, name) == report + "\n"
+    # The report comes first in its cell; a cell may print the notebook's verdict lines after it (08).
+    assert checked_output(notebook, name).startswith(report + "\n")
 
 
 @pytest.mark.parametrize("name", CASES)
