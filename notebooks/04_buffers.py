@@ -39,7 +39,8 @@
 #   (`tcp_wmem` default): Linux grows it while data waits. Falsified if any flood's bytes on the
 #   server's side (accepted minus what sat in the client) are at most that default.
 # - **bytes_not_events**: the buffers hold bytes, not events: the amount absorbed hardly depends
-#   on the event size. Falsified if the medians of two event sizes differ by more than 1.5×.
+#   on the event size. Falsified if the medians of two event sizes differ by more than 1.5×
+#   (the criterion, fixed before measuring).
 
 # %% tags=["parameters"]
 # Parameters: papermill replaces this cell's values (`papermill -p profile_name ci`).
@@ -108,7 +109,8 @@ chapter.buffers_beside(tables)
 # The chapter's figure came from its own machine (see the table above); on Linux the answer is a
 # property of the kernel's settings, not of the application, so read it against the reference
 # lines. Then ask what it means in tokens: how many ordinary token events fit before a writer
-# blocks, and how many 64 KiB events (the padding notebook 05 uses to make a slow reader felt).
+# blocks, and how many of the largest events of this run (a size set above, not measured) — the
+# kind of padded event that makes a slow reader felt in notebook 05.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

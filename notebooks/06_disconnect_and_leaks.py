@@ -128,9 +128,9 @@ display(Markdown(disconnect.findings(tables)))
 verdict_table(disconnect_verdicts)
 
 # %% [markdown]
-# **Leak.** Many streams from many concurrent clients on a seeded plan (its shares are settings):
-# 35% read to the end, half leave early by FIN or RST, 15% read slowly and leave after a few
-# tokens. The counts, the batch limit and the token budgets are in the settings printed below.
+# **Leak.** Many streams from many concurrent clients on a seeded plan whose shares are settings,
+# not measurements: 35% read to the end, half leave early by FIN or RST, 15% read slowly and
+# leave after a few tokens. The counts, the batch limit and the token budgets are in the settings printed below.
 # Afterwards we inspect the server, not the responses.
 
 # %%

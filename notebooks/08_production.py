@@ -65,8 +65,8 @@ for name, config in [("production", production_config), ("browser", browser_conf
 # 1. **nginx holds events back when it buffers.** With `proxy_buffering on` and the service's
 #    `X-Accel-Buffering: no` ignored, events reach the client late and in bursts; with buffering
 #    off, or the header honoured, each passes at once. *Falsified if* the buffered condition's
-#    median hold-back is under ten times the direct baseline's (and under 5 ms), or an unbuffered
-#    one's is over it.
+#    median hold-back is under ten times the direct baseline's (and under 5 ms, the criterion's
+#    floor, fixed before measuring), or an unbuffered one's is over it.
 # 2. **gzip holds a buffered stream.** *Falsified if* gzip with buffering is not held, or gzip
 #    without buffering is.
 # 3. **Pings keep a quiet stream through the proxy.** A stream quiet for longer than
@@ -83,7 +83,7 @@ for name, config in [("production", production_config), ("browser", browser_conf
 # 8. **Drain refuses new work** with 503 (`draining`, `Retry-After`). *Falsified if* a request
 #    answered during the drain gets anything else.
 # 9. **The process exits within its drain timeout.** *Falsified if* it exits non-zero or later
-#    than `drain_grace` + 2 s.
+#    than `drain_grace` + 2 s (a margin fixed before measuring).
 # 10. **A resumable client is told why its stream ended** (the `error` event), and the restarted
 #     server answers its resume with 404. *Falsified if* either is otherwise.
 # 11. **A queue shows on `/metrics` while the batch is full**, and **the metrics account for every
