@@ -39,6 +39,7 @@ from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.rawhttp import RawConnection
 from labkit.experiments.readings import Verdict, current_step, fetch_steps, interleaved, span
 from labkit.experiments.servers import serving
+from labkit.prompts import PROMPTS
 
 NAME = "buffers"
 
@@ -98,7 +99,7 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
 
 def token_events(url: str, tokens: int) -> pd.DataFrame:
     """Wire bytes of each token event of one ordinary stream read to the end."""
-    launch = run_sync(launch_streams(url, [{"prompt": "The capital of France is", "max_new_tokens": tokens}]))
+    launch = run_sync(launch_streams(url, [{"prompt": PROMPTS[1], "max_new_tokens": tokens}]))
     events = launch.results[0].tokens
     return pd.DataFrame({"index": range(len(events)), "nbytes": [e.nbytes for e in events]})
 
