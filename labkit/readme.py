@@ -34,9 +34,11 @@ def _provenance(path: Path) -> str:
         return ""
     m = json.loads(meta.read_text())
     dirty = ", uncommitted changes" if m.get("code_dirty") else ""
+    load = m.get("loadavg_before", ["?"])[0]
+    load = f"{load:.2f}" if isinstance(load, (int, float)) else load
     return (
         f"\n*One run: commit {str(m.get('git_commit') or '?')[:7]}{dirty}, {str(m.get('date', '?'))[:10]}, "
-        f"{m.get('torch_threads', '?')} threads, load average {m.get('loadavg_before', ['?'])[0]} before.*\n"
+        f"{m.get('torch_threads', '?')} threads, load average {load} before.*\n"
     )
 
 
