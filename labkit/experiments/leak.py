@@ -21,13 +21,20 @@ import pandas as pd
 
 from labkit.experiments.chapter import beside
 from labkit.experiments.client import run_sync
-from labkit.experiments.disconnect import CLASSES, books, release_books
+from labkit.experiments.disconnect import CLASSES
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.rawreader import read_stream
 from labkit.experiments.readings import Verdict, current_step, fetch_steps
 from labkit.experiments.records import LeaveBy, StreamResult
-from labkit.experiments.servers import loaded_model, server_checks, server_like, wait_released
+from labkit.experiments.servers import (
+    books,
+    loaded_model,
+    release_books,
+    released_records,
+    server_checks,
+    server_like,
+)
 from labkit.experiments.workload import long_prompts, stream_body
 
 NAME = "leak"
@@ -133,11 +140,11 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
     rows, outcomes, steps = [], [], []
     for kind in config.response_classes:
         with server_like(server, model, **_settings(config, kind)) as srv:
-            before, first_step = books(srv), current_step(srv.url)
+            before, first_step = books(srv.url), current_step(srv.url)
             doing(progress, f"{kind}: {len(clients)} streams, {config.concurrency} at a time")
             t0 = time.perf_counter()
             results = run_sync(run_clients(srv.url, config, clients, prompts))
-            records = run_sync(wait_released(srv.hub, [r.request_id for r in results], timeout=config.timeout))
+            records = run_sync(released_records(srv.url, [r.request_id for r in results], timeout=config.timeout))
             elapsed = time.perf_counter() - t0  # until the engine let go of the last stream, zombies included
             rows += [stream_row(kind, c, r, rec) for c, r, rec in zip(clients, results, records)]
             mine = fetch_steps(srv.url, since=first_step).assign(response_class=kind)
@@ -147,8 +154,8 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
                     "response_class": kind,
                     "total_s": elapsed,
                     "busy_steps": int(((mine.decoded > 0) | (mine.prefilled > 0)).sum()),
-                    **server_checks(srv),
-                    **release_books(srv, before),
+                    **server_checks(srv.url),
+                    **release_books(srv.url, before),
                 }
             )
             tick(progress, streams=rows, outcome=outcomes)

@@ -308,7 +308,7 @@ def _check(srv: Any, policy: str, streams: list[dict[str, Any]]) -> dict[str, An
         "part": "slow readers",
         "streams": len(mine),
         "unended": sum(1 for r in mine if r["end"] == "cut"),
-        **server_checks(srv),
+        **server_checks(srv.url),
     }
 
 
