@@ -28,6 +28,7 @@ import pandas as pd
 
 from labkit.experiments.chapter import beside
 from labkit.experiments.chapter import span as low_high
+from labkit.experiments.chapter_figures import figure
 from labkit.experiments.client import run_sync
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
@@ -268,35 +269,40 @@ def beside_chapter(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
         [
             (
                 "Starlette's class: largest close-to-release",
-                "34.5",
+                figure("disconnect", "listen_release_max_ms"),
                 low_high([listen.close_to_release_ms.max()], "{:.1f}"),
                 "ms",
             ),
             (
                 "Starlette's class: tokens generated that nobody read",
-                "at most 1",
+                figure("disconnect", "listen_unread"),
                 low_high(listen.tokens_unread, "{:.0f}"),
                 "tokens",
             ),
             (
                 "Starlette's class: waiting streams ever admitted",
-                "none",
+                figure("disconnect", "listen_waiting_admitted"),
                 f"{int(listen[listen.moment == 'waiting'].ever_admitted.sum())} of {int((listen.moment == 'waiting').sum())}",
                 "streams",
             ),
             (
                 "Starlette's class: median release, FIN / RST",
-                "no consistent difference",
+                figure("disconnect", "listen_fin_rst"),
                 " / ".join(f"{fin_rst.get(k, float('nan')):.1f}" for k in ("fin", "rst")),
                 "ms",
             ),
             (
                 "write-only: abandoned sequences run to their limit",
-                "48 of 48 (limit 200)",
+                figure("disconnect", "write_to_limit"),
                 f"{int((write.engine_finish == 'length').sum())} of {len(write)} (limit {int(write.tokens_generated.max())})",
                 "streams",
             ),
-            ("write-only: tokens the clients had read", "0–20", low_high(abandoned.tokens_read, "{:.0f}"), "tokens"),
+            (
+                "write-only: tokens the clients had read",
+                figure("disconnect", "write_tokens_read"),
+                low_high(abandoned.tokens_read, "{:.0f}"),
+                "tokens",
+            ),
         ]
     )
 

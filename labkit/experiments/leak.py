@@ -20,6 +20,7 @@ from typing import Any
 import pandas as pd
 
 from labkit.experiments.chapter import beside
+from labkit.experiments.chapter_figures import figure
 from labkit.experiments.client import run_sync
 from labkit.experiments.disconnect import CLASSES
 from labkit.experiments.profiles import Profile
@@ -53,7 +54,7 @@ class Client:
 @dataclass(frozen=True)
 class Config:
     model: str = "smollm2-135m"
-    streams: int = 300
+    streams: int = 300  # the chapter's (chapter.toml, [leak] streams)
     concurrency: int = 48
     max_batch: int = 8
     max_new_tokens: int = 48
@@ -241,22 +242,27 @@ def beside_chapter(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     clean = bool(out.cache_whole.all() and (out.releases == out.admitted).all() and (out.open_streams == 0).all())
     return beside(
         [
-            ("streams per response class", "300", f"{int(listen.streams)}", "streams"),
-            ("left before the end", "165", f"{int(listen.left_early)}", "streams"),
-            ("blocks leaked, either class", "none", "none" if clean else "SOME", ""),
+            ("streams per response class", figure("leak", "streams"), f"{int(listen.streams)}", "streams"),
+            ("left before the end", figure("leak", "left_early"), f"{int(listen.left_early)}", "streams"),
+            ("blocks leaked, either class", figure("leak", "blocks_leaked"), "none" if clean else "SOME", ""),
             (
                 "tokens generated per token read, leavers: Starlette / write-only",
-                "1.4 / 5.2",
+                figure("leak", "generated_per_read"),
                 f"{listen.generated_per_read_leavers:.1f} / {write.generated_per_read_leavers:.1f}",
                 "tokens",
             ),
             (
                 "write-only total time against Starlette's",
-                "+47%",
+                figure("leak", "write_only_extra_time"),
                 f"{100 * (write.total_s / listen.total_s - 1):+.0f}%",
                 "",
             ),
-            ("late events dropped, Starlette's run", "294", f"{int(listen.late_events)}", "events"),
+            (
+                "late events dropped, Starlette's run",
+                figure("leak", "late_events"),
+                f"{int(listen.late_events)}",
+                "events",
+            ),
         ]
     )
 
