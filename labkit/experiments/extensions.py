@@ -37,7 +37,7 @@ from labkit.experiments.identity import MUST_MATCH, VS_GREEDY, generate, identit
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.rawreader import read_stream
-from labkit.experiments.readings import Verdict, interleaved, span, spread
+from labkit.experiments.readings import Verdict, current_step, fetch_steps, interleaved, span, spread
 from labkit.experiments.records import EventSplitter
 from labkit.experiments.saturation import measure_saturation
 from labkit.experiments.servers import loaded_model, server_like, serving
@@ -136,6 +136,7 @@ def units(config: Config) -> int:
 def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
     model = loaded_model(server, config.model)
     with server_like(server, model, **_settings(config)) as srv:
+        first_step = current_step(srv.url)
         run_sync(generate(srv.url, [stream_body(0, 2)], together=False))  # warm-up: the first request is slower
         delivery = measure_delivery(srv, config, progress)
         doing(progress, "resuming with Last-Event-ID")
@@ -152,6 +153,7 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
             seed=config.seed,
             progress=progress,
         )
+        steps = fetch_steps(srv.url, since=first_step)  # this server's steps (delivery, resume, identity)
     doing(progress, "eager formatting")
     eager, eager_line, read_bytes = measure_eager(model, config)
     tick(progress)
@@ -167,6 +169,7 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
         "eager_timeline": eager_line,
         "identity": identity,
         "identity_summary": identity_table(identity),
+        "steps": steps,
     }
 
 
