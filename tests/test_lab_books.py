@@ -122,12 +122,13 @@ def server_settings():
 
 def test_disconnect_runs_on_a_server_it_can_only_reach_over_http(server):
     config = disconnect.Config(model="tiny-gpt2", repetitions=1, at_once=1, max_new_tokens=12, early_tokens=2,
-                               end_margin=2, blocker_tokens=8, response_classes=("starlette",),
+                               end_margin=2, blocker_tokens=64, response_classes=("starlette",),
                                drain_after_fin_s=0.1)
     tables = disconnect.run(config, server=OnlyHttp(server))
     trials, checks = tables["trials"], tables["checks"]
     assert len(trials) == len(disconnect.MOMENTS) * 2 and trials.close_to_hub_close_ms.notna().all()
     assert trials[trials.moment != "waiting"].hub_close_to_release_steps.notna().all()
+    assert not trials[trials.moment == "waiting"].ever_admitted.any()  # the batch was full while they waited
     row = checks.iloc[0]
     assert row.cache_whole and row.finished == row.submitted and row.releases == row.admitted
     assert row.submitted == len(trials) + config.max_batch  # the trials and the waiting moment's blockers

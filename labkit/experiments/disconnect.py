@@ -63,7 +63,10 @@ class Config:
     max_new_tokens: int = 32  # the chapter's 200 would make each write-only trial six times longer
     early_tokens: int = 2
     end_margin: int = 4  # "near the end" leaves this many tokens before max_new_tokens
-    blocker_tokens: int = 16  # the streams that fill the batch for the "waiting" moment
+    # The streams that fill the batch for the "waiting" moment: they must outlast the wait for a
+    # full batch (read from /stats), the trial clients' connect, leave and the server's notice,
+    # or a slot opens and a "waiting" request is admitted (16 SmolLM2 steps: ~1.3 s).
+    blocker_tokens: int = 16
     moments: tuple[str, ...] = MOMENTS
     leave_by: tuple[LeaveBy, ...] = ("fin", "rst")
     response_classes: tuple[str, ...] = CLASSES
@@ -74,7 +77,8 @@ class Config:
     def for_profile(cls, profile: Profile) -> Config:
         if profile.full:
             return cls(model=profile.model)
-        return cls(model=profile.model, repetitions=4, max_new_tokens=24, blocker_tokens=12)
+        # tiny-gpt2's steps take a few ms: 64 of them keep the batch full for a loaded machine's wait
+        return cls(model=profile.model, repetitions=4, max_new_tokens=24, blocker_tokens=64)
 
     def __post_init__(self) -> None:
         if set(self.moments) - set(MOMENTS) or set(self.response_classes) - set(CLASSES):
@@ -171,7 +175,7 @@ async def trial_group(
 async def _fill_batch(srv: Any, config: Config, prompts: list[int]) -> list[asyncio.Task[StreamResult]]:
     """Start ``max_batch`` streams that read at once, and return when all of them are running
     (``GET /stats``), or have already ended."""
-    requests = bodies(prompts, config.max_batch, config.blocker_tokens)
+    requests = bodies(prompts, config.max_batch, config.blocker_tokens, ignore_eos=True)  # each holds its slot
     tasks = [asyncio.ensure_future(read_stream(srv.url, body, leave_after_s=config.timeout)) for body in requests]
 
     async def full(client: Any) -> bool:
@@ -181,7 +185,7 @@ async def _fill_batch(srv: Any, config: Config, prompts: list[int]) -> list[asyn
 
     try:
         async with lab_client() as client:
-            await await_for(lambda: full(client), timeout=config.timeout, what="a full batch", interval=0.002)
+            await await_for(lambda: full(client), timeout=config.timeout, what="a full batch", interval=0.01)
     except BaseException:
         for task in tasks:
             task.cancel()
