@@ -3,9 +3,10 @@
 Hundreds of streams, at most 48 open at once, against an engine that runs 8 at a time. A
 fixed, seeded plan: 35% read to the end; half leave after 0 to 40 tokens, by FIN or RST; 15% read
 slowly (a 0.25 s sleep after each read) and leave after 3 or 10 tokens. Then we look at the
-server, not at the responses: the cache whole (``check_integrity``), nothing reserved, running,
-waiting or registered in the hub, each stream finished once and each admitted stream released
-once, no error in the hub. And what leaving cost: tokens generated per token read, and the total
+server, not at the responses, through its own books over HTTP (``/stats``, ``/lab/streams``,
+``/lab/integrity``; :mod:`labkit.experiments.servers`): the cache whole, nothing reserved,
+running, waiting or registered in the hub, each stream finished once and each admitted stream
+released once, no error in the hub. And what leaving cost: tokens generated per token read, and the total
 time. Both response classes, on servers that differ in that one setting.
 """
 
