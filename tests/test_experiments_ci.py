@@ -60,7 +60,7 @@ def test_run_experiment_writes_tables_results_and_figures(tmp_path, monkeypatch)
     monkeypatch.setenv("LABKIT_OUT", str(tmp_path))
     outcome = run_experiment("wire", Profile("ci"), prompts=2, max_new_tokens=4, concurrency=1)
     assert {p.name for p in outcome.csvs} == {
-        "streams.csv", "checks.csv", "events.csv", "raw.csv", "raw_chunks.csv", "awkward.csv"
+        "streams.csv", "checks.csv", "events.csv", "raw.csv", "raw_chunks.csv", "awkward.csv", "steps.csv"
     }
     assert all(p.exists() for p in outcome.csvs + outcome.figures)
     assert not (tmp_path / "data" / "wire" / "partial").exists()  # the finished run replaced it
@@ -68,6 +68,7 @@ def test_run_experiment_writes_tables_results_and_figures(tmp_path, monkeypatch)
     assert record["environment"]["profile"] == "ci" and record["config"]["prompts"] == 2
     assert record["machine"]["cpu_s"] > 0 and "quiet" in record["machine"]  # the run's machine record
     assert record["figures"] == ["figures/wire_bytes.png"]
+    assert record["step_spread"]["all"]["n"] > 0  # the run's steps, from its steps table
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
     args = parser.parse_args(["all", "--profile", "full", "--model", "tiny-gpt2"])

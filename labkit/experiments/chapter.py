@@ -1,10 +1,11 @@
 """The chapter's published figures, set beside ours.
 
-The chapter's numbers come from GPT-2 small (float32) on an RTX 2060 that other work shared, under Windows, over loopback. Its
-numbers are quoted here only so that a notebook can print them next to what this machine
-measured; nothing in the lab computes with them. Each ``*_beside`` function returns a table
-with one row per quantity: what it is, the chapter's figure (as the chapter states it), ours
-(from this run's tables), and the unit.
+The chapter's numbers come from GPT-2 small (float32) on an RTX 2060 that other work shared,
+under Windows, over loopback. They live in one data file, ``chapter.toml``, read by
+:mod:`labkit.experiments.chapter_figures`, and are quoted only so that a notebook can print them
+next to what this machine measured; nothing in the lab computes with them. Each ``*_beside``
+function returns a table with one row per quantity: what it is, the chapter's figure (as the
+chapter states it), ours (from this run's tables), and the unit.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from typing import Any
 
 import pandas as pd
 
+from labkit.experiments.chapter_figures import NO_FIGURE, figure, figures
+
 __all__ = ["CHAPTER_SETUP", "beside", "span", "wire_beside", "isolation_beside", "overlap_beside", "buffers_beside"]
 
-CHAPTER_SETUP = "GPT-2 small, float32, RTX 2060 (shared), Windows, loopback"
+CHAPTER_SETUP = figures().setup
 
 
 def beside(rows: list[tuple[str, str, Any, str]]) -> pd.DataFrame:
@@ -49,17 +52,27 @@ def wire_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
         [
             (
                 "streams passing every check",
-                "40 of 40",
+                figure("wire", "streams_passing"),
                 f"{len(streams) if passed else 'not all'} of {len(streams)}",
                 "streams",
             ),
-            ("streams that ran to their token limit", "40 of 40", f"{len(full)} of {len(streams)}", "streams"),
-            ("bytes per token, whole stream (full-length streams)", "73–76", _range(full.bytes_per_token), "bytes"),
-            (f"one {n}-token stream", "about 2,400 (32 tokens)", _range(full.bytes), "bytes"),
-            ("one token event (median)", "—", f"{events.bytes[events.event == 'token'].median():.0f}", "bytes"),
+            (
+                "streams that ran to their token limit",
+                figure("wire", "streams_to_limit"),
+                f"{len(full)} of {len(streams)}",
+                "streams",
+            ),
+            (
+                "bytes per token, whole stream (full-length streams)",
+                figure("wire", "bytes_per_token"),
+                _range(full.bytes_per_token),
+                "bytes",
+            ),
+            (f"one {n}-token stream", figure("wire", "one_stream_bytes"), _range(full.bytes), "bytes"),
+            ("one token event (median)", NO_FIGURE, f"{events.bytes[events.event == 'token'].median():.0f}", "bytes"),
             (
                 "token events with an empty delta",
-                "0 of 1,280",
+                figure("wire", "empty_deltas"),
                 f"{int(streams.empty_deltas.sum())} of {int(streams.tokens.sum())}",
                 "events",
             ),
@@ -73,13 +86,13 @@ def isolation_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
         [
             (
                 "concurrent streams identical to their solo run",
-                "189 of 189",
+                figure("isolation", "identical"),
                 f"{int(streams.identical.sum())} of {len(streams)}",
                 "streams",
             ),
             (
                 "levels compared",
-                "1, 2, 4, 8, 16, 32 × 3",
+                figure("isolation", "levels"),
                 ", ".join(map(str, sorted(streams.level.unique()))) + f" × {streams.repetition.nunique()}",
                 "streams",
             ),
@@ -95,36 +108,60 @@ def overlap_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     p50, p99 = joiners.median() * 1000, joiners.quantile(0.99) * 1000
     delivery = tables["delivery"].groupby("mode").ttft_s.median() * 1000
     rows = [
-        (f"back to back: {n} × level 1's median", "22.05 (for 32)", f"{top.back_to_back_s.iloc[0]:.2f}", "s"),
-        (f"makespan, {n} streams at once", "1.49–1.55 (for 32)", _range(top.makespan_s, "{:.2f}"), "s"),
-        (f"aggregate throughput, {n} streams", "1,320–1,376 (for 32)", _range(top.tokens_per_s), "tokens/s"),
-        ("throughput, one stream", "90–94", _range(one.tokens_per_s), "tokens/s"),
-        ("one stream (level 1) median time to first token", "16", f"{solo.ttft_s.median() * 1000:.0f}", "ms"),
-        ("one stream (level 1) median gap between tokens", "10.1", f"{solo.gap_p50_s.median() * 1000:.1f}", "ms"),
-        (f"median gap, {n} streams", "about 17 (for 32)", _range(top.gap_p50_s * 1000, "{:.1f}"), "ms"),
-        (f"p99 gap, {n} streams", "22 (for 32)", _range(top.gap_p99_s * 1000, "{:.1f}"), "ms"),
+        (
+            f"back to back: {n} × level 1's median",
+            figure("overlap", "back_to_back_s"),
+            f"{top.back_to_back_s.iloc[0]:.2f}",
+            "s",
+        ),
+        (f"makespan, {n} streams at once", figure("overlap", "makespan_s"), _range(top.makespan_s, "{:.2f}"), "s"),
+        (f"aggregate throughput, {n} streams", figure("overlap", "throughput"), _range(top.tokens_per_s), "tokens/s"),
+        ("throughput, one stream", figure("overlap", "throughput_one"), _range(one.tokens_per_s), "tokens/s"),
+        (
+            "one stream (level 1) median time to first token",
+            figure("overlap", "ttft_one_ms"),
+            f"{solo.ttft_s.median() * 1000:.0f}",
+            "ms",
+        ),
+        (
+            "one stream (level 1) median gap between tokens",
+            figure("overlap", "gap_one_ms"),
+            f"{solo.gap_p50_s.median() * 1000:.1f}",
+            "ms",
+        ),
+        (f"median gap, {n} streams", figure("overlap", "gap_p50_ms"), _range(top.gap_p50_s * 1000, "{:.1f}"), "ms"),
+        (f"p99 gap, {n} streams", figure("overlap", "gap_p99_ms"), _range(top.gap_p99_s * 1000, "{:.1f}"), "ms"),
         (
             f"median / p99 time to first token, {n} streams",
-            "441 / 442 (for 32, step-end delivery)",
+            figure("overlap", "ttft_p50_p99_ms"),
             f"{top.ttft_p50_s.median() * 1000:.0f} / {top.ttft_p99_s.median() * 1000:.0f}",
             "ms",
         ),
-        ("decode step: fixed cost", "about 9.6", f"{fit.intercept_ms:.2f}", "ms"),
-        ("decode step: cost per added sequence", "about 0.17", f"{fit.ms_per_sequence:.3f}", "ms"),
+        ("decode step: fixed cost", figure("overlap", "step_fixed_ms"), f"{fit.intercept_ms:.2f}", "ms"),
+        (
+            "decode step: cost per added sequence",
+            figure("overlap", "step_per_sequence_ms"),
+            f"{fit.ms_per_sequence:.3f}",
+            "ms",
+        ),
         (
             f"step at {int(fit.largest_batch)} over step at 1",
-            "1.5 (32 over 1)",
+            figure("overlap", "step_largest_over_one"),
             f"{fit.largest_over_smallest:.2f}",
             "×",
         ),
     ]
-    chapter_joiners = {0: "16 (idle)", 8: "41 / 62 (8 running)", 24: "47 / 77 (24 running)"}
+    chapter_joiners = {
+        0: figure("overlap", "joiner_idle"),
+        8: figure("overlap", "joiner_8"),
+        24: figure("overlap", "joiner_24"),
+    }
     for background in p50.index:
         label = "idle engine" if background == 0 else f"{background} long streams running"
         rows.append(
             (
                 f"joiner first token, median / p99: {label}",
-                chapter_joiners.get(background, "—"),
+                chapter_joiners.get(background, NO_FIGURE),
                 f"{p50[background]:.0f} / {p99[background]:.0f}",
                 "ms",
             )
@@ -133,7 +170,7 @@ def overlap_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
         rows.append(
             (
                 f"median first token, {mode.replace('_', ' ')} delivery",
-                "441 (32 streams, step end)" if mode == "step_end" else "not built (an exercise)",
+                figure("overlap", "delivery_step_end") if mode == "step_end" else figure("overlap", "delivery_prefill"),
                 f"{delivery[mode]:.0f}",
                 "ms",
             )
@@ -142,7 +179,7 @@ def overlap_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
 
 
 def buffers_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    chapter = {133: "252,434", 1024: "262,395", 16384: "278,613", 65536: "327,705 or 262,164"}
+    chapter = {int(key.removeprefix("accepted_")): value for key, value in figures().sections["buffers"].items()}
     rows = []
     for row in tables["by_size"].itertuples():
         low, high = int(row.bytes_accepted_min), int(row.bytes_accepted_max)
@@ -150,7 +187,7 @@ def buffers_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
         rows.append(
             (
                 f"accepted before the write blocks, {int(row.event_bytes):,}-byte events",
-                chapter.get(int(row.event_bytes), "—"),
+                chapter.get(int(row.event_bytes), NO_FIGURE),
                 ours,
                 "bytes",
             )

@@ -20,7 +20,6 @@ engine's step log of each server is kept (``steps``), so a step's duration can b
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,7 @@ import pandas as pd
 
 from labkit.experiments.chapter import beside
 from labkit.experiments.chapter import span as low_high
+from labkit.experiments.chapter_figures import figure
 from labkit.experiments.client import run_sync
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
@@ -36,7 +36,17 @@ from labkit.experiments.rawhttp import raw_stream
 from labkit.experiments.rawreader import read_stream
 from labkit.experiments.readings import Verdict, current_step, fetch_steps, span
 from labkit.experiments.records import LeaveBy, StreamResult
-from labkit.experiments.servers import loaded_model, server_checks, server_like, wait_released
+from labkit.experiments.servers import (
+    books,
+    lab_client,
+    loaded_model,
+    release_books,
+    released_records,
+    server_checks,
+    server_like,
+    server_stats_async,
+)
+from labkit.experiments.waiting import await_for
 from labkit.experiments.workload import bodies, long_prompts
 
 NAME = "disconnect"
@@ -53,7 +63,10 @@ class Config:
     max_new_tokens: int = 32  # the chapter's 200 would make each write-only trial six times longer
     early_tokens: int = 2
     end_margin: int = 4  # "near the end" leaves this many tokens before max_new_tokens
-    blocker_tokens: int = 16  # the streams that fill the batch for the "waiting" moment
+    # The streams that fill the batch for the "waiting" moment: they must outlast the wait for a
+    # full batch (read from /stats), the trial clients' connect, leave and the server's notice,
+    # or a slot opens and a "waiting" request is admitted (16 SmolLM2 steps: ~1.3 s).
+    blocker_tokens: int = 16
     moments: tuple[str, ...] = MOMENTS
     leave_by: tuple[LeaveBy, ...] = ("fin", "rst")
     response_classes: tuple[str, ...] = CLASSES
@@ -64,7 +77,8 @@ class Config:
     def for_profile(cls, profile: Profile) -> Config:
         if profile.full:
             return cls(model=profile.model)
-        return cls(model=profile.model, repetitions=4, max_new_tokens=24, blocker_tokens=12)
+        # tiny-gpt2's steps take a few ms: 64 of them keep the batch full for a loaded machine's wait
+        return cls(model=profile.model, repetitions=4, max_new_tokens=24, blocker_tokens=64)
 
     def __post_init__(self) -> None:
         if set(self.moments) - set(MOMENTS) or set(self.response_classes) - set(CLASSES):
@@ -110,7 +124,7 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
     rows, checks, steps = [], [], []
     for kind in config.response_classes:
         with server_like(server, model, **_settings(config, kind)) as srv:
-            before, first_step = books(srv), current_step(srv.url)
+            before, first_step = books(srv.url), current_step(srv.url)
             for moment in config.moments:
                 for first in range(0, config.repetitions, config.at_once):
                     reps = range(first, min(first + config.at_once, config.repetitions))
@@ -120,7 +134,7 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
                     )
                     rows += run_sync(trial_group(srv, config, prompts, kind, moment, list(reps)))
                     tick(progress, trials=rows)
-            checks.append({"response_class": kind, **release_books(srv, before), **server_checks(srv)})
+            checks.append({"response_class": kind, **release_books(srv.url, before), **server_checks(srv.url)})
             steps.append(fetch_steps(srv.url, since=first_step).assign(response_class=kind))
     trials = pd.DataFrame(rows)
     return {
@@ -153,20 +167,30 @@ async def trial_group(
         for body, (_, how) in zip(requests, plan)
     ]
     results = await asyncio.gather(*clients)
-    records = await wait_released(srv.hub, [r.request_id for r in results], timeout=config.timeout)
+    records = await released_records(srv.url, [r.request_id for r in results], timeout=config.timeout)
     await asyncio.gather(*blockers)
     return [trial_row(kind, moment, rep, how, r, rec) for (rep, how), r, rec in zip(plan, results, records)]
 
 
 async def _fill_batch(srv: Any, config: Config, prompts: list[int]) -> list[asyncio.Task[StreamResult]]:
-    """Start ``max_batch`` streams that read at once, and return when all of them are running."""
-    requests = bodies(prompts, config.max_batch, config.blocker_tokens)
+    """Start ``max_batch`` streams that read at once, and return when all of them are running
+    (``GET /stats``), or have already ended."""
+    requests = bodies(prompts, config.max_batch, config.blocker_tokens, ignore_eos=True)  # each holds its slot
     tasks = [asyncio.ensure_future(read_stream(srv.url, body, leave_after_s=config.timeout)) for body in requests]
-    deadline = time.perf_counter() + config.timeout
-    while srv.engine.stats()["running"] < config.max_batch and time.perf_counter() < deadline:
-        if all(t.done() for t in tasks):
-            break
-        await asyncio.sleep(0.002)
+
+    async def full(client: Any) -> bool:
+        return (
+            all(t.done() for t in tasks) or (await server_stats_async(client, srv.url))["running"] >= config.max_batch
+        )
+
+    try:
+        async with lab_client() as client:
+            await await_for(lambda: full(client), timeout=config.timeout, what="a full batch", interval=0.01)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     return tasks
 
 
@@ -205,36 +229,7 @@ def _steps_between(rec: Any) -> float:
     return np.nan if at_close is None or released is None else float(released - at_close)
 
 
-# --------------------------------------------------------------------------- books and tables
-
-
-def books(srv: Any) -> dict[str, Any]:
-    """The server's counters now, to subtract from later ones (a notebook's server may be reused)."""
-    hub = srv.hub.stats()
-    return {
-        "stats": srv.engine.stats(),
-        "records": len(srv.hub.records()),
-        "late_events": hub.late_events,
-        "errors": hub.errors,
-    }
-
-
-def release_books(srv: Any, before: dict[str, Any]) -> dict[str, Any]:
-    """Since ``before``: streams submitted, finished, admitted, and blocks released.
-
-    Exactly-once means finished == submitted (every stream ended once) and releases == admitted
-    (a stream cancelled while it waited never held a block, so it has nothing to release).
-    """
-    after, records = srv.engine.stats(), srv.hub.records()[before["records"] :]
-    finished = sum(after["finished"].values()) - sum(before["stats"]["finished"].values())
-    return {
-        "submitted": len(records),
-        "finished": finished,
-        "admitted": sum(1 for r in records if r.first_token_sampled is not None),
-        "releases": after["releases"] - before["stats"]["releases"],
-        "late_events": srv.hub.stats().late_events - before["late_events"],
-        "hub_errors": srv.hub.stats().errors - before["errors"],
-    }
+# --------------------------------------------------------------------------- tables
 
 
 def by_moment(trials: pd.DataFrame) -> pd.DataFrame:
@@ -278,35 +273,40 @@ def beside_chapter(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
         [
             (
                 "Starlette's class: largest close-to-release",
-                "34.5",
+                figure("disconnect", "listen_release_max_ms"),
                 low_high([listen.close_to_release_ms.max()], "{:.1f}"),
                 "ms",
             ),
             (
                 "Starlette's class: tokens generated that nobody read",
-                "at most 1",
+                figure("disconnect", "listen_unread"),
                 low_high(listen.tokens_unread, "{:.0f}"),
                 "tokens",
             ),
             (
                 "Starlette's class: waiting streams ever admitted",
-                "none",
+                figure("disconnect", "listen_waiting_admitted"),
                 f"{int(listen[listen.moment == 'waiting'].ever_admitted.sum())} of {int((listen.moment == 'waiting').sum())}",
                 "streams",
             ),
             (
                 "Starlette's class: median release, FIN / RST",
-                "no consistent difference",
+                figure("disconnect", "listen_fin_rst"),
                 " / ".join(f"{fin_rst.get(k, float('nan')):.1f}" for k in ("fin", "rst")),
                 "ms",
             ),
             (
                 "write-only: abandoned sequences run to their limit",
-                "48 of 48 (limit 200)",
+                figure("disconnect", "write_to_limit"),
                 f"{int((write.engine_finish == 'length').sum())} of {len(write)} (limit {int(write.tokens_generated.max())})",
                 "streams",
             ),
-            ("write-only: tokens the clients had read", "0–20", low_high(abandoned.tokens_read, "{:.0f}"), "tokens"),
+            (
+                "write-only: tokens the clients had read",
+                figure("disconnect", "write_tokens_read"),
+                low_high(abandoned.tokens_read, "{:.0f}"),
+                "tokens",
+            ),
         ]
     )
 

@@ -33,7 +33,7 @@ import pandas as pd
 
 from labkit.experiments.profiles import Profile, repo_root
 from labkit.experiments.progress import Progress, doing, tick
-from labkit.experiments.readings import Verdict
+from labkit.experiments.readings import Verdict, fetch_steps
 from labkit.sse import SSEParser
 
 NAME = "drain"
@@ -93,6 +93,7 @@ def serve_argv(config: Config, port: int) -> list[str]:
         str(config.drain_grace),
         "--log-level",
         "warning",
+        "--lab-routes",  # GET /lab/steps: the run's step log, read before the SIGTERM ends the process
     ]
 
 
@@ -236,6 +237,7 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
             stop = threading.Event()
             prober = threading.Thread(target=probe_until_refused, args=(url, config, stop, probes), daemon=True)
             doing(progress, "SIGTERM")
+            steps = fetch_steps(url)  # the load's steps; the log ends with the process
             signalled = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             prober.start()
@@ -280,7 +282,14 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
     probe_t = pd.DataFrame(probes)
     if len(probe_t):
         probe_t["t"] -= signalled
-    return {"streams": streams, "probes": probe_t, "process": process, "timeline": timeline, "reconnect": reconnect}
+    return {
+        "streams": streams,
+        "probes": probe_t,
+        "process": process,
+        "timeline": timeline,
+        "reconnect": reconnect,
+        "steps": steps,
+    }
 
 
 def _wait(predicate: Any, timeout: float, what: str) -> None:

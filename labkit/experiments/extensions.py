@@ -31,12 +31,13 @@ import pandas as pd
 from labkit.engine.events import TokenEvent
 from labkit.experiments import slowclient
 from labkit.experiments.chapter import beside
+from labkit.experiments.chapter_figures import NO_FIGURE, figure
 from labkit.experiments.client import async_client, launch_streams, run_sync
 from labkit.experiments.identity import MUST_MATCH, VS_GREEDY, generate, identity_table, measure_identity
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.rawreader import read_stream
-from labkit.experiments.readings import Verdict, interleaved, span, spread
+from labkit.experiments.readings import Verdict, current_step, fetch_steps, interleaved, span, spread
 from labkit.experiments.records import EventSplitter
 from labkit.experiments.saturation import measure_saturation
 from labkit.experiments.servers import loaded_model, server_like, serving
@@ -135,6 +136,7 @@ def units(config: Config) -> int:
 def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
     model = loaded_model(server, config.model)
     with server_like(server, model, **_settings(config)) as srv:
+        first_step = current_step(srv.url)
         run_sync(generate(srv.url, [stream_body(0, 2)], together=False))  # warm-up: the first request is slower
         delivery = measure_delivery(srv, config, progress)
         doing(progress, "resuming with Last-Event-ID")
@@ -151,6 +153,7 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
             seed=config.seed,
             progress=progress,
         )
+        steps = fetch_steps(srv.url, since=first_step)  # this server's steps (delivery, resume, identity)
     doing(progress, "eager formatting")
     eager, eager_line, read_bytes = measure_eager(model, config)
     tick(progress)
@@ -166,6 +169,7 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
         "eager_timeline": eager_line,
         "identity": identity,
         "identity_summary": identity_table(identity),
+        "steps": steps,
     }
 
 
@@ -502,38 +506,53 @@ def beside_chapter(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
         [
             (
                 "first token median, all at once, step-end delivery",
-                "441 (32 streams)",
+                figure("extensions", "first_token_step_end_ms"),
                 f"{first_token('step_end')} ({streams} streams)",
                 "ms",
             ),
-            ("the same, delivered when each prefill ends", "not built (exercise 1)", first_token("prefill"), "ms"),
-            ("full batch: slot-seconds held by paused streams", "not measured (exercise 2)", held, "slot-s"),
+            (
+                "the same, delivered when each prefill ends",
+                figure("extensions", "first_token_prefill"),
+                first_token("prefill"),
+                "ms",
+            ),
+            (
+                "full batch: slot-seconds held by paused streams",
+                figure("extensions", "paused_slot_seconds"),
+                held,
+                "slot-s",
+            ),
             (
                 "resumed streams with exactly the missed events",
-                "not built (exercise 4)",
+                figure("extensions", "resumed"),
                 f"{int((back.in_order_no_gap & back.same_tokens_as_generate).sum())} of {len(back)}",
                 "streams",
             ),
             (
                 "eager server, peak for the slow readers",
-                "about 4 MB per reader (arithmetic, exercise 6)",
+                figure("extensions", "eager_peak"),
                 f"{tables['eager'].eager_measured_mib.iloc[0]:.2f}",
                 "MiB (measured, tracemalloc)",
             ),
             (
                 "seeded sampling: all at once identical to alone",
-                "not compared (exercise 7)",
+                figure("extensions", "seeded_sampling"),
                 same("sampled float32: all at once vs alone"),
                 "streams",
             ),
-            ("sampled streams identical to greedy", "—", same(VS_GREEDY), "streams"),
+            ("sampled streams identical to greedy", NO_FIGURE, same(VS_GREEDY), "streams"),
             (
                 "bfloat16 greedy: all at once identical to alone",
-                "3 of 12 differed (Chapter 24, padded batch)",
+                figure("extensions", "bfloat16_together"),
                 same("greedy bfloat16: all at once vs alone"),
                 "streams",
             ),
-            ("bfloat16 greedy alone identical to float32", "—", same("greedy: bfloat16 alone vs float32"), "streams"),
+            (
+                "bfloat16 greedy alone identical to float32",
+                NO_FIGURE,
+                same("greedy: bfloat16 alone vs float32"),
+                "streams",
+            ),
         ]
     )
 

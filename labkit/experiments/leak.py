@@ -3,9 +3,10 @@
 Hundreds of streams, at most 48 open at once, against an engine that runs 8 at a time. A
 fixed, seeded plan: 35% read to the end; half leave after 0 to 40 tokens, by FIN or RST; 15% read
 slowly (a 0.25 s sleep after each read) and leave after 3 or 10 tokens. Then we look at the
-server, not at the responses: the cache whole (``check_integrity``), nothing reserved, running,
-waiting or registered in the hub, each stream finished once and each admitted stream released
-once, no error in the hub. And what leaving cost: tokens generated per token read, and the total
+server, not at the responses, through its own books over HTTP (``/stats``, ``/lab/streams``,
+``/lab/integrity``; :mod:`labkit.experiments.servers`): the cache whole, nothing reserved,
+running, waiting or registered in the hub, each stream finished once and each admitted stream
+released once, no error in the hub. And what leaving cost: tokens generated per token read, and the total
 time. Both response classes, on servers that differ in that one setting.
 """
 
@@ -20,14 +21,22 @@ from typing import Any
 import pandas as pd
 
 from labkit.experiments.chapter import beside
+from labkit.experiments.chapter_figures import figure
 from labkit.experiments.client import run_sync
-from labkit.experiments.disconnect import CLASSES, books, release_books
+from labkit.experiments.disconnect import CLASSES
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.rawreader import read_stream
 from labkit.experiments.readings import Verdict, current_step, fetch_steps
 from labkit.experiments.records import LeaveBy, StreamResult
-from labkit.experiments.servers import loaded_model, server_checks, server_like, wait_released
+from labkit.experiments.servers import (
+    books,
+    loaded_model,
+    release_books,
+    released_records,
+    server_checks,
+    server_like,
+)
 from labkit.experiments.workload import long_prompts, stream_body
 
 NAME = "leak"
@@ -46,7 +55,7 @@ class Client:
 @dataclass(frozen=True)
 class Config:
     model: str = "smollm2-135m"
-    streams: int = 300
+    streams: int = 300  # the chapter's (chapter.toml, [leak] streams)
     concurrency: int = 48
     max_batch: int = 8
     max_new_tokens: int = 48
@@ -133,11 +142,11 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
     rows, outcomes, steps = [], [], []
     for kind in config.response_classes:
         with server_like(server, model, **_settings(config, kind)) as srv:
-            before, first_step = books(srv), current_step(srv.url)
+            before, first_step = books(srv.url), current_step(srv.url)
             doing(progress, f"{kind}: {len(clients)} streams, {config.concurrency} at a time")
             t0 = time.perf_counter()
             results = run_sync(run_clients(srv.url, config, clients, prompts))
-            records = run_sync(wait_released(srv.hub, [r.request_id for r in results], timeout=config.timeout))
+            records = run_sync(released_records(srv.url, [r.request_id for r in results], timeout=config.timeout))
             elapsed = time.perf_counter() - t0  # until the engine let go of the last stream, zombies included
             rows += [stream_row(kind, c, r, rec) for c, r, rec in zip(clients, results, records)]
             mine = fetch_steps(srv.url, since=first_step).assign(response_class=kind)
@@ -147,8 +156,8 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
                     "response_class": kind,
                     "total_s": elapsed,
                     "busy_steps": int(((mine.decoded > 0) | (mine.prefilled > 0)).sum()),
-                    **server_checks(srv),
-                    **release_books(srv, before),
+                    **server_checks(srv.url),
+                    **release_books(srv.url, before),
                 }
             )
             tick(progress, streams=rows, outcome=outcomes)
@@ -234,22 +243,27 @@ def beside_chapter(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     clean = bool(out.cache_whole.all() and (out.releases == out.admitted).all() and (out.open_streams == 0).all())
     return beside(
         [
-            ("streams per response class", "300", f"{int(listen.streams)}", "streams"),
-            ("left before the end", "165", f"{int(listen.left_early)}", "streams"),
-            ("blocks leaked, either class", "none", "none" if clean else "SOME", ""),
+            ("streams per response class", figure("leak", "streams"), f"{int(listen.streams)}", "streams"),
+            ("left before the end", figure("leak", "left_early"), f"{int(listen.left_early)}", "streams"),
+            ("blocks leaked, either class", figure("leak", "blocks_leaked"), "none" if clean else "SOME", ""),
             (
                 "tokens generated per token read, leavers: Starlette / write-only",
-                "1.4 / 5.2",
+                figure("leak", "generated_per_read"),
                 f"{listen.generated_per_read_leavers:.1f} / {write.generated_per_read_leavers:.1f}",
                 "tokens",
             ),
             (
                 "write-only total time against Starlette's",
-                "+47%",
+                figure("leak", "write_only_extra_time"),
                 f"{100 * (write.total_s / listen.total_s - 1):+.0f}%",
                 "",
             ),
-            ("late events dropped, Starlette's run", "294", f"{int(listen.late_events)}", "events"),
+            (
+                "late events dropped, Starlette's run",
+                figure("leak", "late_events"),
+                f"{int(listen.late_events)}",
+                "events",
+            ),
         ]
     )
 

@@ -34,7 +34,7 @@ import pandas as pd
 
 from labkit.experiments.profiles import Profile, repo_root
 from labkit.experiments.progress import Progress, doing
-from labkit.experiments.readings import Verdict, span
+from labkit.experiments.readings import Verdict, current_step, fetch_steps, span
 from labkit.experiments.target import Target, TargetError
 from labkit.experiments.target_disconnect import DisconnectConfig, run_disconnect
 from labkit.experiments.target_probe import connect, quirks_table
@@ -146,7 +146,7 @@ def command(name: str, config: Config, port: int) -> list[str]:
         return [
             sys.executable, "-m", "labkit.cli", "serve", "--model", config.model, "--port", str(port),
             "--host", "127.0.0.1", "--block-size", str(config.block_size), "--num-blocks", str(config.num_blocks),
-            "--log-level", "warning",
+            "--log-level", "warning", "--lab-routes",  # GET /lab/steps: labkit's step log
         ]  # fmt: skip
     folder = model_folder(config.model)
     script = (
@@ -227,6 +227,7 @@ def run(config: Config, server: Server, progress: Progress | None = None) -> dic
     doing(progress, f"{server.name}: probing {server.url}")
     target: Target = connect(server.url, pid=server.pid, timeout=120.0)
     tables: dict[str, pd.DataFrame] = {"quirks": quirks_table(target)}
+    first_step = current_step(server.url) if server.name == LABKIT else 0
     measured = {
         "overlap": run_overlap(target, config.overlap, progress),
         "disconnect": run_disconnect(target, config.disconnect, progress),
@@ -234,6 +235,8 @@ def run(config: Config, server: Server, progress: Progress | None = None) -> dic
     }
     for prefix, parts in measured.items():
         tables.update({f"{prefix}_{table_name}": table for table_name, table in parts.items()})
+    if server.name == LABKIT:  # the only server here with a step log (GET /lab/steps)
+        tables["steps"] = fetch_steps(server.url, since=first_step)
     tables["servers"] = pd.DataFrame(
         [
             {

@@ -42,6 +42,7 @@ from labkit.experiments.client import async_client, run_sync, timed_stream
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.proxy import Route, running_nginx
+from labkit.experiments.readings import current_step, fetch_steps
 from labkit.experiments.records import EventSplitter, StreamResult
 from labkit.experiments.servers import loaded_model, server_like, serving
 from labkit.experiments.workload import stream_body
@@ -122,14 +123,17 @@ def units(config: Config) -> int:
 
 def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
     with serving(server, **server_options(config)) as srv:
+        first_step = current_step(srv.url)
         events = burst_probe(srv, config, progress)
         keepalive = keepalive_probe(loaded_model(srv, config.model), config, progress)
+        steps = fetch_steps(srv.url, since=first_step)  # the burst probe's server (keep-alive runs its own)
     holdback = holdback_summary(events, config.hold_floor_s)
     return {
         "events": events,
         "holdback": holdback,
         "keepalive": keepalive,
         "keepalive_summary": keepalive_summary(keepalive),
+        "steps": steps,
     }
 
 

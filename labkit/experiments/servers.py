@@ -1,40 +1,48 @@
-"""The server's side of a run: which server to measure, what it holds while readers run, and
-whether it let everything go afterwards.
+"""The server's side of a run: which server to measure, and what its own books say about it.
 
 * :func:`serving` and :func:`server_like` reuse a notebook's server (when it already has the
   settings a measurement needs) and otherwise start one on the same loaded model.
-* :func:`launch_readers` runs many :func:`~labkit.experiments.rawreader.read_stream` readers at
-  once while :class:`Sampler` records the engine's running, paused and waiting counts and the
-  hub's queued events every few milliseconds.
-* :func:`wait_released` waits for the server's own record of each stream to show that its
-  sequence left the engine; :func:`server_checks` asks, once it is idle, whether the cache is whole.
+* :func:`released_records` waits until the server's record of each stream shows that its
+  sequence left the engine; :func:`books` and :func:`release_books` count, from ``/stats`` and
+  the records, what one run did; :func:`server_checks` asks, once the server is idle, whether
+  its cache is whole.
 
-Times are ``time.perf_counter()``: the server runs in this process, so its records and the
-client's times are on one clock.
+Everything here reads the server over HTTP (``GET /stats`` and the lab routes of
+:mod:`labkit.service.lab_routes`), never its engine or hub from this thread: the hub is the
+loop's and the engine the step thread's, and reading them from a third thread races both. The
+cache check itself runs on the step thread between two steps (``GET /lab/integrity``). Times in
+the records are the server's ``time.perf_counter()``: a server started by ``serve_in_thread``
+runs in this process, so they are on the client's clock too.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import time
 from collections.abc import Iterator, Sequence
+from dataclasses import fields
 from typing import Any
 
-import pandas as pd
+import httpx
 
-from labkit.experiments.rawreader import Leave, read_stream
-from labkit.experiments.records import StreamResult
+from labkit.experiments.waiting import WaitTimeout, await_for, wait_for
+from labkit.hub.stream import StreamRecord
 
 __all__ = [
     "serving",
     "server_like",
     "loaded_model",
-    "launch_readers",
-    "Sampler",
-    "wait_released",
+    "stream_records",
+    "released_records",
+    "server_stats",
+    "server_stats_async",
+    "lab_client",
+    "books",
+    "release_books",
     "server_checks",
 ]
+
+HTTP_TIMEOUT = 10.0  # one lab request; a wait is bounded by its own timeout
+IDS_PER_REQUEST = 100  # request ids per ``/lab/streams?ids=``: a URL well under any server's line limit
 
 
 @contextlib.contextmanager
@@ -51,87 +59,6 @@ def serving(server: Any = None, **options: Any) -> Iterator[Any]:
 
     with serve_in_thread(**options) as started:
         yield started
-
-
-class Sampler:
-    """Samples the engine's running/paused/waiting counts and the hub's queued events."""
-
-    def __init__(self, server: Any, every: float = 0.01) -> None:
-        self.server, self.every = server, every
-        self.rows: list[dict[str, float]] = []
-        self._stop = asyncio.Event()
-
-    async def run(self) -> None:
-        while not self._stop.is_set():
-            stats = self.server.engine.stats()
-            queued = sum(len(s) for s in self.server.hub.streams())
-            self.rows.append(
-                {
-                    "t": time.perf_counter(),
-                    "running": stats["running"],
-                    "paused": stats["paused"],
-                    "waiting": stats["waiting"],
-                    "queued_events": queued,
-                }
-            )
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), self.every)
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def table(self, t0: float) -> pd.DataFrame:
-        table = pd.DataFrame(self.rows, columns=["t", "running", "paused", "waiting", "queued_events"])
-        return table.assign(t=table.t - t0)
-
-
-async def launch_readers(
-    server: Any,
-    requests: Sequence[dict[str, Any]],
-    reads: Sequence[dict[str, Any]],
-    *,
-    first: int = 0,
-    leave_first_after_rest: bool = False,
-    every: float = 0.01,
-) -> tuple[list[StreamResult], pd.DataFrame, float]:
-    """Start ``requests`` with per-reader options ``reads`` (for :func:`read_stream`); returns the
-    results, the samples (``t`` from launch) and the launch time.
-
-    ``first`` readers start alone and the rest only once each of them has a token; with
-    ``leave_first_after_rest`` those first readers leave as soon as the rest have ended. However
-    this ends, every reader has left and been awaited when it returns.
-    """
-    sampler = Sampler(server, every)
-    sampling = asyncio.ensure_future(sampler.run())
-    results, flags = [StreamResult(sent=0.0) for _ in requests], [Leave() for _ in requests]
-    readers = list(zip(requests, reads, flags, results))
-
-    def start(part: list[tuple[Any, ...]]) -> list[asyncio.Future]:
-        return [asyncio.ensure_future(read_stream(server.url, b, leave=f, result=r, **o)) for b, o, f, r in part]
-
-    t0 = time.perf_counter()
-    early, rest = start(readers[:first]), []
-    try:
-        await _until(lambda: all(r.tokens or r.ended for r in results[:first]), timeout=120.0)
-        rest = start(readers[first:])
-        await asyncio.gather(*rest)
-        if leave_first_after_rest:
-            for flag in flags[:first]:
-                flag.set()
-        await asyncio.gather(*early)
-    finally:
-        for flag in flags:
-            flag.set()
-        await asyncio.gather(*early, *rest, return_exceptions=True)
-        sampler.stop()
-        await sampling
-    return results, sampler.table(t0), t0
-
-
-async def _until(condition: Any, timeout: float, poll: float = 0.005) -> None:
-    deadline = time.perf_counter() + timeout
-    while not condition() and time.perf_counter() < deadline:
-        await asyncio.sleep(poll)
 
 
 @contextlib.contextmanager
@@ -158,40 +85,117 @@ def loaded_model(server: Any, name: str) -> Any:
     return load_model(name)
 
 
-async def wait_released(hub: Any, rids: Sequence[str | None], timeout: float = 60.0) -> list[Any]:
-    """The hub's records of ``rids``, once each shows its sequence left the engine (or at timeout)."""
-    deadline = time.perf_counter() + timeout
-    while True:
-        records = [hub.record(rid) if rid else None for rid in rids]
-        if all(r is None or r.released is not None for r in records) or time.perf_counter() > deadline:
-            return records
-        await asyncio.sleep(0.01)
+# --------------------------------------------------------------------------- the server's books
 
 
-def server_checks(server: Any, timeout: float = 30.0) -> dict[str, Any]:
+def _record(raw: dict[str, Any] | None) -> StreamRecord | None:
+    """A record as served by ``/lab/streams`` (keys this client does not know are left out)."""
+    if raw is None:
+        return None
+    known = {f.name for f in fields(StreamRecord)}
+    return StreamRecord(**{k: v for k, v in raw.items() if k in known})
+
+
+async def stream_records(client: httpx.AsyncClient, url: str, rids: Sequence[str]) -> list[StreamRecord | None]:
+    """The server's records of ``rids``, in that order (None: it has none), a hundred per request."""
+    out: list[StreamRecord | None] = []
+    for first in range(0, len(rids), IDS_PER_REQUEST):
+        part = rids[first : first + IDS_PER_REQUEST]
+        response = await client.get(f"{url}/lab/streams", params={"ids": ",".join(part)})
+        response.raise_for_status()
+        out += [_record(raw) for raw in response.json()["streams"]]
+    return out
+
+
+async def released_records(url: str, rids: Sequence[str | None], timeout: float = 60.0) -> list[StreamRecord | None]:
+    """The server's records of ``rids`` once each shows its sequence left the engine.
+
+    At ``timeout`` the records are returned as they are: a stream still held then is what the
+    run found (its row has no release, and :func:`server_checks` reports the held blocks), not
+    a reason to lose the run's other rows. A ``None`` rid (the request was refused) gets ``None``.
+    """
+    asked = [rid for rid in rids if rid]
+    latest: dict[str, StreamRecord | None] = {}
+
+    async def all_released(client: httpx.AsyncClient) -> bool:
+        latest.update(zip(asked, await stream_records(client, url, asked)))
+        return all(r is None or r.released is not None for r in latest.values())
+
+    async with lab_client() as client:
+        with contextlib.suppress(WaitTimeout):
+            await await_for(lambda: all_released(client), timeout=timeout, what=f"the release of {len(asked)} streams")
+    return [latest.get(rid) if rid else None for rid in rids]
+
+
+def server_stats(url: str) -> dict[str, Any]:
+    """``GET /stats``: the engine's and the hub's books, read once on the server's loop."""
+    response = httpx.get(f"{url}/stats", timeout=HTTP_TIMEOUT, trust_env=False)
+    response.raise_for_status()
+    return response.json()
+
+
+async def server_stats_async(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
+    """:func:`server_stats` from a coroutine, on a client the caller holds open."""
+    response = await client.get(f"{url}/stats")
+    response.raise_for_status()
+    return response.json()
+
+
+def lab_client() -> httpx.AsyncClient:
+    """An async client for the lab's own requests to a loopback server (no proxy from the environment)."""
+    return httpx.AsyncClient(timeout=HTTP_TIMEOUT, trust_env=False)
+
+
+def books(url: str) -> dict[str, Any]:
+    """The server's counters now, to subtract from later ones (a notebook's server may be
+    reused), and its clock, to tell this run's stream records from earlier ones."""
+    # ``since=inf`` asks for no records, only the server's clock
+    response = httpx.get(f"{url}/lab/streams", params={"since": "inf"}, timeout=HTTP_TIMEOUT, trust_env=False)
+    response.raise_for_status()
+    return {"stats": server_stats(url), "clock": response.json()["clock"]}
+
+
+def release_books(url: str, before: dict[str, Any]) -> dict[str, Any]:
+    """Since ``before``: streams submitted, finished, admitted, and blocks released.
+
+    Exactly-once means finished == submitted (every stream ended once) and releases == admitted
+    (a stream cancelled while it waited never held a block, so it has nothing to release).
+    """
+    response = httpx.get(f"{url}/lab/streams", params={"since": before["clock"]}, timeout=HTTP_TIMEOUT, trust_env=False)
+    response.raise_for_status()
+    records, after, was = response.json()["streams"], server_stats(url), before["stats"]
+    return {
+        "submitted": len(records),
+        "finished": sum(after["finishes"].values()) - sum(was["finishes"].values()),
+        "admitted": sum(1 for r in records if r["first_token_sampled"] is not None),
+        "releases": after["releases"] - was["releases"],
+        "late_events": after["late_events"] - was["late_events"],
+        "hub_errors": after["errors"] - was["errors"],
+    }
+
+
+def _idle(stats: dict[str, Any]) -> bool:
+    return stats["running"] == 0 and stats["waiting"] == 0 and stats["open_streams"] == 0
+
+
+def server_checks(url: str, timeout: float = 30.0) -> dict[str, Any]:
     """Once the server is idle: is the cache whole, is any stream still registered or held?
 
-    Waits (bounded) for the engine and hub to empty, then has the step thread check the block
-    books between two steps (``hub.check_integrity()``), so the check never races a step.
+    Waits (bounded) for ``/stats`` to show no running, waiting or open stream, then asks the
+    server to check its cache on the step thread between two steps (``GET /lab/integrity``).
+    A server still busy at ``timeout`` is checked as it is, and the counts say so.
     """
-    deadline = time.perf_counter() + timeout
-    while time.perf_counter() < deadline:
-        stats = server.engine.stats()
-        if stats["running"] == 0 and stats["waiting"] == 0 and server.hub.open_streams == 0:
-            break
-        time.sleep(0.02)
-    stats = server.engine.stats()
-    try:
-        server.hub.check_integrity().result(timeout)
-        what = ""
-    except AssertionError as exc:
-        what = str(exc) or "check_integrity failed"
-    whole = not what and stats["free_blocks"] == stats["total_blocks"]
+    with contextlib.suppress(WaitTimeout):
+        wait_for(lambda: _idle(server_stats(url)), timeout=timeout, what="an idle server", interval=0.02)
+    response = httpx.get(f"{url}/lab/integrity", timeout=timeout + HTTP_TIMEOUT, trust_env=False)
+    response.raise_for_status()
+    answer = response.json()
+    stats = answer["stats"]
     return {
-        "cache_whole": whole,
-        "held_blocks": stats["reserved_blocks"],
+        "cache_whole": answer["ok"] and stats["free_blocks"] == stats["total_blocks"],
+        "held_blocks": stats["held_blocks"],
         "running": stats["running"],
         "waiting": stats["waiting"],
-        "open_streams": server.hub.open_streams,
-        "what": what,
+        "open_streams": stats["open_streams"],
+        "what": answer["what"],
     }

@@ -38,6 +38,7 @@ import numpy as np
 import pandas as pd
 
 from labkit.experiments.chapter import beside
+from labkit.experiments.chapter_figures import NO_FIGURE, figure
 from labkit.experiments.client import run_sync
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
@@ -308,7 +309,7 @@ def _check(srv: Any, policy: str, streams: list[dict[str, Any]]) -> dict[str, An
         "part": "slow readers",
         "streams": len(mine),
         "unended": sum(1 for r in mine if r["end"] == "cut"),
-        **server_checks(srv),
+        **server_checks(srv.url),
     }
 
 
@@ -440,20 +441,30 @@ def beside_chapter(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     return beside(
         [
             (
-                f"naive: last healthy stream done, {k1} slow (none slow); chapter: 1 of 8",
-                "28 (1)",
+                f"naive: last healthy stream done, {k1} slow (none slow); chapter: {figure('slowclient', 'naive_slow_of')}",
+                figure("slowclient", "naive_done_s"),
                 f"{_span(runs, 'naive', k1)} ({_span(runs, 'naive', 0)})",
                 "s",
             ),
-            ("slow reader's pace, share of the write rate", "about 1/25", span(runs.slow_ratio.dropna()), "ratio"),
+            (
+                "slow reader's pace, share of the write rate",
+                figure("slowclient", "slow_pace"),
+                span(runs.slow_ratio.dropna()),
+                "ratio",
+            ),
             (
                 "unbounded: slow sequence left the engine",
-                "after about 1",
+                figure("slowclient", "unbounded_left_engine_s"),
                 span(slow("unbounded", "left_engine_s")),
                 "s",
             ),
-            ("drop: slot given back after", "0.6–0.8", span(slow("drop", "left_engine_s")), "s"),
-            ("pause_then_drop: slot given back after", "—", span(slow("pause_then_drop", "left_engine_s")), "s"),
+            (
+                "drop: slot given back after",
+                figure("slowclient", "drop_left_engine_s"),
+                span(slow("drop", "left_engine_s")),
+                "s",
+            ),
+            ("pause_then_drop: slot given back after", NO_FIGURE, span(slow("pause_then_drop", "left_engine_s")), "s"),
         ]
     )
 

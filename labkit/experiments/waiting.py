@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 
@@ -40,7 +40,11 @@ def wait_for(check: Callable[[], T], *, timeout: float, what: str, interval: flo
         time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
 
 
-async def await_for(check: Callable[[], T | Awaitable[T]], *, timeout: float, what: str, interval: float = 0.02) -> T:
+@overload
+async def await_for(check: Callable[[], Awaitable[T]], *, timeout: float, what: str, interval: float = ...) -> T: ...
+@overload
+async def await_for(check: Callable[[], T], *, timeout: float, what: str, interval: float = ...) -> T: ...
+async def await_for(check: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.02) -> Any:
     """:func:`wait_for` on an event loop: ``check`` may be a plain function or a coroutine
     function; the loop keeps running between polls."""
     _check_bounds(timeout, interval)
@@ -50,7 +54,7 @@ async def await_for(check: Callable[[], T | Awaitable[T]], *, timeout: float, wh
         if asyncio.iscoroutine(answer) or isinstance(answer, asyncio.Future):
             answer = await answer
         if answer:
-            return answer  # type: ignore[return-value]
+            return answer
         if time.monotonic() >= deadline:
             raise WaitTimeout(what, timeout, answer)
         await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))

@@ -23,7 +23,7 @@ import pandas as pd
 from labkit.experiments.client import async_client, run_sync, timed_stream
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
-from labkit.experiments.readings import Verdict
+from labkit.experiments.readings import Verdict, current_step, fetch_steps
 from labkit.experiments.servers import loaded_model, server_like
 from labkit.experiments.workload import stream_body
 
@@ -107,6 +107,7 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
     model = loaded_model(server, config.model) if server is not None else config.model
     results: list[dict[str, Any]] = []
     with server_like(None, model, max_batch=config.max_batch) as srv:
+        first_step = current_step(srv.url)
         scraper = Scraper(srv.url, config.scrape_every)
         scraper.start()
         try:
@@ -115,8 +116,9 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
         finally:
             scraper.stop.set()
             scraper.join(10)
+        steps = fetch_steps(srv.url, since=first_step)  # the engine's steps of this run
     scrapes = pd.DataFrame(scraper.rows).fillna(0.0)
-    return {"scrapes": scrapes, "requests": pd.DataFrame(results)}
+    return {"scrapes": scrapes, "requests": pd.DataFrame(results), "steps": steps}
 
 
 async def _load(url: str, config: Config, progress: Progress | None, out: list[dict[str, Any]], t0: float) -> None:

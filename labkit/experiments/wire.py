@@ -24,7 +24,7 @@ from labkit.experiments import wire_cases
 from labkit.experiments.client import StreamResult, async_client, run_sync, timed_stream
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
-from labkit.experiments.readings import Verdict, span
+from labkit.experiments.readings import Verdict, current_step, fetch_steps, span
 from labkit.experiments.servers import serving
 from labkit.prompts import PROMPTS
 
@@ -73,8 +73,10 @@ def units(config: Config) -> int:
 def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
     doing(progress, f"{config.prompts} prompts, each streamed and answered as JSON")
     with serving(server, **server_options(config)) as srv:
+        first_step = current_step(srv.url)
         raw = capture(srv.url, config)
         rows = run_sync(_measure(srv.url, config, progress))
+        steps = fetch_steps(srv.url, since=first_step)  # the engine's steps of this run
     events = _event_sizes(rows)  # takes each row's per-event list out before the table is built
     streams = pd.DataFrame(rows)
     _, body = wire_cases.split_head(raw)
@@ -85,6 +87,7 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
         "raw": wire_cases.raw_lines(raw),
         "raw_chunks": wire_cases.chunk_table(body),
         "awkward": wire_cases.compare(),
+        "steps": steps,
     }
 
 

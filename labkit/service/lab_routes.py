@@ -5,8 +5,18 @@ They are mounted only when ``HttpConfig.lab_routes`` is on (``labkit serve --lab
 it is asked to, so neither belongs on a server that anyone but the lab can reach.
 
 ``GET /lab/streams`` and ``GET /lab/streams/{request_id}``: the hub's per-stream records
-(submit, first token sampled / queued / taken, close, engine release, tokens generated and
-delivered, how it ended), all ``time.perf_counter()`` seconds on the server's clock.
+(submit, first token sampled / queued / taken, close, engine release and the step that carried
+it, tokens generated and delivered, how it ended), all ``time.perf_counter()`` seconds on the
+server's clock, which the answer also gives (``clock``). ``?ids=a,b,c`` answers one entry per id,
+in that order (``null``: no record of it), so an experiment can wait for its own streams' release
+with one request per poll; ``?since=T`` keeps the records submitted at or after ``T`` (a
+``clock`` read earlier), so it can count what happened to the streams of one run.
+
+``GET /lab/integrity``: the engine's cache check (free and used blocks partition the pool; every
+held block belongs to one live sequence), run by the step thread between two steps so that it
+never races one, and the server's ``/stats`` read on the loop right after it: ``{"ok", "what",
+"stats"}``. An experiment asks for it once the server is idle, instead of calling into the hub
+and the engine from its own thread.
 
 ``GET /lab/steps?since=N``: the engine's step log after step ``N`` (number, start, seconds,
 sequences decoded, prompts prefilled): what an experiment reads its step-time spread from, over
@@ -48,14 +58,23 @@ from labkit.service.streaming import Number, service_of
 from labkit.sse import ServerSentEvent
 
 router = APIRouter()
+MAX_IDS = 1000  # request ids one ``/lab/streams?ids=`` may name
+INTEGRITY_TIMEOUT_S = 30.0  # the step thread runs the check between two steps: one step's wait at most
 FLOOD_MAX_EVENT_BYTES = 1 << 20
 FLOOD_MAX_EVENTS = 1_000_000
 FLOOD_MAX_BYTES = 64 << 20
 
 
 @router.get("/lab/streams")
-async def all_records(request: Request) -> dict[str, Any]:
-    return {"streams": [r.as_dict() for r in service_of(request).hub.records()], "clock": time.perf_counter()}
+async def all_records(request: Request, ids: str | None = None, since: float = 0.0) -> dict[str, Any]:
+    hub, clock = service_of(request).hub, time.perf_counter()
+    if ids is None:
+        return {"streams": [r.as_dict() for r in hub.records() if r.submitted >= since], "clock": clock}
+    wanted = [rid for rid in ids.split(",") if rid]
+    if not 0 < len(wanted) <= MAX_IDS:
+        raise ServiceError(422, "invalid_request", f"ids must name 1 to {MAX_IDS} request ids, got {len(wanted)}")
+    records = (hub.record(rid) for rid in wanted)
+    return {"streams": [r.as_dict() if r is not None else None for r in records], "clock": clock}
 
 
 @router.get("/lab/streams/{request_id}")
@@ -70,6 +89,22 @@ async def one_record(request: Request, request_id: str) -> dict[str, Any]:
 async def steps(request: Request, since: int = 0) -> dict[str, Any]:
     engine = service_of(request).engine
     return {"steps": [asdict(r) for r in engine.steps_since(since)], "step": engine.current_step}
+
+
+@router.get("/lab/integrity")
+async def integrity(request: Request) -> dict[str, Any]:
+    """The cache check on the step thread between two steps, then the books on the loop."""
+    service = service_of(request)
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(service.hub.check_integrity()), INTEGRITY_TIMEOUT_S)
+        ok, what = True, ""
+    except asyncio.TimeoutError:
+        raise ServiceError(
+            503, "over_capacity", f"the step thread did not run the check within {INTEGRITY_TIMEOUT_S:g} s"
+        ) from None
+    except Exception as exc:  # an AssertionError is the check's finding; it is the answer, not a failure
+        ok, what = False, clip(str(exc), 400) or "the integrity check failed"
+    return {"ok": ok, "what": what, "stats": service.stats().as_dict()}
 
 
 class FloodRequest(BaseModel):

@@ -1,0 +1,149 @@
+"""Experiments read a server's books over HTTP, never from its engine or hub on their own thread.
+
+Issue 9: the disconnect and leak experiments waited for releases by polling ``hub.record()`` and
+counted finishes from ``engine.stats()`` on the experiment's thread, while the loop and the step
+thread changed them; the cache check was started from there too. The lab routes now serve what
+they need (``/lab/streams?ids=``/``?since=``, ``/lab/integrity``, run on the step thread between
+two steps), and ``labkit.experiments.servers`` reads them.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from labkit.experiments import disconnect, leak
+from labkit.experiments.client import launch_streams, run_sync
+from labkit.experiments.servers import (
+    books,
+    release_books,
+    released_records,
+    server_checks,
+    server_stats,
+)
+
+TIMEOUT = 30.0
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def get(server, path: str, **params) -> httpx.Response:
+    return httpx.get(server.url + path, params=params, timeout=TIMEOUT, trust_env=False)
+
+
+def one_stream(server, tokens: int = 4) -> str:
+    launch = run_sync(launch_streams(server.url, [{"prompt": "Hello", "max_new_tokens": tokens, "ignore_eos": True}]))
+    return launch.results[0].request_id
+
+
+# -- the routes -----------------------------------------------------------------------------------
+def test_streams_by_id_answer_in_the_order_asked_with_null_for_an_unknown_id(server):
+    first, second = one_stream(server), one_stream(server)
+    answer = get(server, "/lab/streams", ids=f"{second},req-nobody,{first}").json()
+    assert [r and r["rid"] for r in answer["streams"]] == [second, None, first]
+    assert answer["streams"][0]["release_step"] is not None and answer["streams"][0]["finish_reason"] == "length"
+
+
+def test_streams_since_a_clock_reading_keep_only_later_submissions(server):
+    clock = get(server, "/lab/streams", since="inf").json()
+    assert clock["streams"] == []
+    rid = one_stream(server)
+    assert [r["rid"] for r in get(server, "/lab/streams", since=clock["clock"]).json()["streams"]] == [rid]
+
+
+def test_too_many_ids_are_refused_with_the_envelope(server):
+    refused = get(server, "/lab/streams", ids=",".join(f"r{i}" for i in range(1001)))
+    assert refused.status_code == 422 and refused.json()["error"]["type"] == "invalid_request"
+
+
+def test_integrity_runs_on_the_step_thread_and_reports_the_books(server, monkeypatch):
+    threads: list[str] = []
+    real = server.engine.check_integrity
+
+    def spy() -> None:
+        threads.append(threading.current_thread().name)
+        real()
+
+    monkeypatch.setattr(server.engine, "check_integrity", spy)
+    answer = get(server, "/lab/integrity").json()
+    assert answer["ok"] and answer["what"] == "" and threads == ["labkit-step"]
+    assert answer["stats"]["free_blocks"] == answer["stats"]["total_blocks"]
+
+
+def test_integrity_says_what_is_broken(server, monkeypatch):
+    def broken() -> None:
+        raise AssertionError("a block is lost from the pool")
+
+    monkeypatch.setattr(server.engine, "check_integrity", broken)
+    answer = get(server, "/lab/integrity").json()
+    assert answer == {**answer, "ok": False, "what": "a block is lost from the pool"}
+    monkeypatch.undo()
+    assert not server_checks(server.url)["what"] and server_checks(server.url)["cache_whole"]
+
+
+# -- the experiments' side ------------------------------------------------------------------------
+def test_released_records_wait_for_every_release_and_keep_the_order(server):
+    rids = [one_stream(server, 6), None, one_stream(server, 3)]
+    records = run_sync(released_records(server.url, rids, timeout=TIMEOUT))
+    assert records[1] is None and [r.rid for r in (records[0], records[2])] == [rids[0], rids[2]]
+    assert all(r.released is not None and r.release_step is not None for r in (records[0], records[2]))
+
+
+def test_release_books_count_one_run_only(server):
+    one_stream(server)  # before the run: not counted
+    before = books(server.url)
+    for _ in range(3):
+        one_stream(server)
+    counted = release_books(server.url, before)
+    assert counted == {"submitted": 3, "finished": 3, "admitted": 3, "releases": 3, "late_events": 0, "hub_errors": 0}
+
+
+def test_server_checks_read_an_idle_server_as_whole(server):
+    one_stream(server)
+    checks = server_checks(server.url)
+    assert checks == {"cache_whole": True, "held_blocks": 0, "running": 0, "waiting": 0, "open_streams": 0, "what": ""}
+    assert server_stats(server.url)["held_blocks"] == 0
+
+
+class OnlyHttp:
+    """A server as an experiment may see it: its address, settings and model, no engine or hub."""
+
+    def __init__(self, server) -> None:
+        self.url, self.config = server.url, server.config
+        self.engine = SimpleNamespace(model=server.engine.model)  # to share the loaded model
+
+
+@pytest.fixture(scope="module")
+def server_settings():
+    return {"max_batch": 4, "policy": "unbounded", "response_class": "starlette", "max_waiting": None}
+
+
+def test_disconnect_runs_on_a_server_it_can_only_reach_over_http(server):
+    config = disconnect.Config(model="tiny-gpt2", repetitions=1, at_once=1, max_new_tokens=12, early_tokens=2,
+                               end_margin=2, blocker_tokens=64, response_classes=("starlette",),
+                               drain_after_fin_s=0.1)
+    tables = disconnect.run(config, server=OnlyHttp(server))
+    trials, checks = tables["trials"], tables["checks"]
+    assert len(trials) == len(disconnect.MOMENTS) * 2 and trials.close_to_hub_close_ms.notna().all()
+    assert trials[trials.moment != "waiting"].hub_close_to_release_steps.notna().all()
+    assert not trials[trials.moment == "waiting"].ever_admitted.any()  # the batch was full while they waited
+    row = checks.iloc[0]
+    assert row.cache_whole and row.finished == row.submitted and row.releases == row.admitted
+    assert row.submitted == len(trials) + config.max_batch  # the trials and the waiting moment's blockers
+
+
+def test_leak_runs_on_a_server_it_can_only_reach_over_http(server):
+    config = leak.Config(model="tiny-gpt2", streams=8, concurrency=4, max_batch=4, max_new_tokens=10,
+                         early_range=(0, 4), slow_leave_after=(2,), slow_sleep=0.01, response_classes=("starlette",))
+    outcome = leak.run(config, server=OnlyHttp(server))["outcome"].iloc[0]
+    assert outcome.cache_whole and outcome.streams == 8 and outcome.submitted == 8
+    assert outcome.finished == outcome.submitted and outcome.releases == outcome.admitted
+
+
+@pytest.mark.parametrize("module", ["servers", "disconnect", "leak", "slowclient"])
+def test_these_experiments_never_read_the_engine_or_hub_directly(module):
+    source = (ROOT / "labkit" / "experiments" / f"{module}.py").read_text()
+    for reach in ("srv.hub", "server.hub", ".engine.stats(", ".check_integrity(", "hub.record"):
+        assert reach not in source, f"{module}.py reaches into the server: {reach!r}"
