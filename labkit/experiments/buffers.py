@@ -131,7 +131,7 @@ async def flood_once(url: str, size: int, config: Config) -> dict[str, Any]:
         try:
             await conn.connect()
             started = time.perf_counter()
-            await conn.send_post("/lab/flood", body)
+            await conn.send("POST", "/lab/flood", body)
             record = await _poll(poll, flood_id, lambda r: r["blocked"] or r["finished"], config.timeout)
             seen = {
                 "client_rcvbuf": conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),

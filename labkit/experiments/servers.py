@@ -3,7 +3,7 @@ whether it let everything go afterwards.
 
 * :func:`serving` and :func:`server_like` reuse a notebook's server (when it already has the
   settings a measurement needs) and otherwise start one on the same loaded model.
-* :func:`launch_readers` runs many :func:`~labkit.experiments.rawreader.read_stream` readers at
+* :func:`launch_readers` runs many :func:`~labkit.experiments.rawhttp.raw_stream` readers at
   once while :class:`Sampler` records the engine's running, paused and waiting counts and the
   hub's queued events every few milliseconds.
 * :func:`wait_released` waits for the server's own record of each stream to show that its
@@ -23,7 +23,8 @@ from typing import Any
 
 import pandas as pd
 
-from labkit.experiments.rawreader import Leave, read_stream
+from labkit.experiments.rawhttp import Leave
+from labkit.experiments.rawhttp import raw_stream as read_stream
 from labkit.experiments.records import StreamResult
 
 __all__ = [

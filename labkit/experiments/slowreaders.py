@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pandas as pd
 
-from labkit.experiments.rawreader import Leave, read_stream
-from labkit.experiments.records import StreamResult
+from labkit.experiments.rawhttp import Leave, raw_stream
+from labkit.experiments.records import ReadOptions, StreamResult
 
 __all__ = [
     "Pace",
@@ -47,6 +47,18 @@ class Pace:
     @property
     def slow(self) -> bool:
         return self.sleep > 0
+
+    @property
+    def options(self) -> ReadOptions:
+        """The raw reader's options: this pace; at ``leave_after_s`` or when told, leave by RST."""
+        return ReadOptions(
+            sleep=self.sleep,
+            read_bytes=self.read_bytes,
+            leave_after_s=self.leave_after_s,
+            leave_by="rst",
+            drain_after_fin_s=0.5,
+            timeout=max(300.0, self.leave_after_s),
+        )
 
 
 @dataclass
@@ -78,17 +90,7 @@ async def launch(
 
     def start(index: range) -> list[asyncio.Future]:
         return [
-            asyncio.ensure_future(
-                read_stream(
-                    url,
-                    requests[i],
-                    sleep=paces[i].sleep,
-                    read_bytes=paces[i].read_bytes,
-                    leave_after_s=paces[i].leave_after_s,
-                    leave=flags[i],
-                    result=results[i],
-                )
-            )
+            asyncio.ensure_future(raw_stream(url, requests[i], paces[i].options, leave=flags[i], result=results[i]))
             for i in index
         ]
 
