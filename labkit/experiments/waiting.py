@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TypeVar, overload
 
 T = TypeVar("T")
 
@@ -38,6 +38,14 @@ def wait_for(check: Callable[[], T], *, timeout: float, what: str, interval: flo
         if time.monotonic() >= deadline:
             raise WaitTimeout(what, timeout, answer)
         time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+
+
+@overload
+async def await_for(check: Callable[[], Awaitable[T]], *, timeout: float, what: str, interval: float = ...) -> T: ...
+
+
+@overload
+async def await_for(check: Callable[[], T], *, timeout: float, what: str, interval: float = ...) -> T: ...
 
 
 async def await_for(check: Callable[[], T | Awaitable[T]], *, timeout: float, what: str, interval: float = 0.02) -> T:
