@@ -253,6 +253,30 @@ def test_raw_connection_sets_its_receive_buffer_before_connecting():
         conn.close()
 
 
+def test_raw_client_records_a_stream_the_server_cut_as_cut_not_as_an_error():
+    """What a ``drop`` policy does: chunked head, one event and half of the next, then close."""
+    first, second = sse_event('{"a":1}', id=1), sse_event('{"b":2}', id=2)
+    sent = first + second[:5]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        writer.write(head + f"{len(sent):x}\r\n".encode() + sent + b"\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def run() -> StreamResult:
+        cutter = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = cutter.sockets[0].getsockname()[1]
+        async with cutter:
+            return await raw_stream(f"http://127.0.0.1:{port}", BODY)
+
+    r = run_sync(run())
+    assert r.error is None and r.status == 200 and r.left is None and r.ended is not None
+    assert [e.data for e in r.events] == [{"a": 1}] and r.terminal is None
+    assert r.total_bytes == len(sent) and r.unfinished_bytes == 5
+
+
 def test_a_raw_read_that_runs_out_of_time_is_an_error(server):
     r = run_sync(raw_stream(server.url, LONG, sleep=0.05, timeout=0.3))
     assert r.error is not None and r.error.startswith("TimeoutError") and r.left == "fin"

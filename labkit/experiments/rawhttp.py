@@ -142,7 +142,7 @@ async def raw_stream(
         else:
             await stop.sleep(result)
         if result.ended is None:
-            if stop.timed_out(result):
+            if stop.timed_out():
                 result.error = f"TimeoutError: no end within {opts.timeout:g} s"
             await _leave(conn, result, opts)
     except (OSError, asyncio.TimeoutError, h11.ProtocolError) as exc:
@@ -166,7 +166,7 @@ class _Stop:
         enough = n is not None and result.headers_at is not None and len(result.tokens) >= n
         return (enough and result.terminal is None) or self.leave.now or self._left(result) <= 0
 
-    def timed_out(self, result: StreamResult) -> bool:
+    def timed_out(self) -> bool:
         """Stopped by ``timeout`` alone: no planned leave (tokens, seconds, the flag) ended it."""
         o = self.options
         return o.leave_after_tokens is None and o.leave_after_s is None and not self.leave.now
