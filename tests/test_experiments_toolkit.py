@@ -3,6 +3,7 @@
 Timing is never asserted here; counts, bytes, order and the server's state after a client
 leaves are.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -11,9 +12,17 @@ import time
 import pytest
 
 from labkit.experiments.client import (
-    EventSplitter, ReadOptions, StreamResult, async_client, launch_in_turn, launch_streams, percentiles,
-    run_sync, timed_stream)
-from labkit.experiments.rawhttp import ChunkedDecoder, raw_stream
+    EventSplitter,
+    ReadOptions,
+    StreamResult,
+    async_client,
+    launch_in_turn,
+    launch_streams,
+    percentiles,
+    run_sync,
+    timed_stream,
+)
+from labkit.experiments.rawhttp import Leave, RawConnection, raw_stream
 from labkit.sse import sse_comment, sse_event
 
 BODY = {"prompt": "The capital of Italy is", "max_new_tokens": 12}
@@ -59,7 +68,7 @@ def _released_record(srv, rid: str, timeout: float = 5.0):
     return record
 
 
-async def _one(url: str, body: dict, options: ReadOptions = ReadOptions()) -> StreamResult:
+async def _one(url: str, body: dict, options: ReadOptions | None = None) -> StreamResult:
     async with async_client(url) as client:
         return await timed_stream(client, body, options=options)
 
@@ -81,12 +90,48 @@ def test_event_splitter_keeps_a_cut_event_pending():
     assert len(splitter.feed(data[5:], 1.0)) == 1 and splitter.pending == 0
 
 
-def test_chunked_decoder_gives_the_same_body_whatever_the_chunking():
-    wire = b"5\r\nhello\r\n1;ext=1\r\n \r\n6\r\nworld!\r\n0\r\n\r\n"
-    whole = ChunkedDecoder()
-    assert whole.feed(wire) == b"hello world!" and whole.done
-    split = ChunkedDecoder()
-    assert b"".join(split.feed(wire[i : i + 1]) for i in range(len(wire))) == b"hello world!" and split.done
+def _stream(newline: bytes) -> bytes:
+    """Events, a comment between them, a multi-line event and an unfinished tail, with ``newline``."""
+    lines = [
+        b"event: start",
+        b"id: 1",
+        b'data: {"a":1}',
+        b"",
+        b": ping",
+        b"",
+        b'data: {"b":',
+        b"data: 2}",
+        b"id: 2",
+        b"",
+        b"event: token",
+        b'data: {"c":3}',
+        b"",
+        b"data: cut",
+    ]
+    return newline.join(lines)
+
+
+def _charged(splitter: EventSplitter, reads: list[bytes]) -> tuple[list[tuple], int]:
+    events = [e for i, read in enumerate(reads) for e in splitter.feed(read, now=float(i))]
+    return [(e.nbytes, e.event, e.id, repr(e.data)) for e in events], splitter.pending
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+def test_event_splitter_charges_the_same_bytes_wherever_the_reads_are_cut(newline):
+    stream = _stream(newline)
+    whole, pending = _charged(EventSplitter(), [stream])
+    assert len(whole) == 3 and sum(n for n, *_ in whole) + pending == len(stream)
+    for cut in range(1, len(stream)):
+        assert _charged(EventSplitter(), [stream[:cut], stream[cut:]]) == (whole, pending), f"cut at {cut}"
+    assert _charged(EventSplitter(), [stream[i : i + 1] for i in range(len(stream))]) == (whole, pending)
+
+
+def test_event_splitter_stamps_an_event_with_the_read_that_completed_it():
+    first, second = sse_event('{"a":1}', id=1), sse_event('{"b":2}', id=2)
+    splitter = EventSplitter()
+    assert splitter.feed(first[:-1], now=1.0) == []  # the blank line's LF has not come yet
+    events = splitter.feed(first[-1:] + second, now=2.0)
+    assert [(e.time, e.nbytes) for e in events] == [(2.0, len(first)), (2.0, len(second))]
 
 
 def test_percentiles_interpolate_and_skip_missing_values():
@@ -137,17 +182,33 @@ def test_httpx_reader_leaves_after_n_tokens_and_the_server_releases(server, how)
 
 
 def test_slow_reader_still_reads_everything(server):
-    r = run_sync(_one(server.url, BODY, ReadOptions(sleep_per_chunk=0.01)))
+    r = run_sync(_one(server.url, BODY, ReadOptions(sleep=0.01)))
     assert len(r.tokens) == 12 and r.finish_reason == "length"
 
 
 def test_raw_client_reads_the_same_stream_as_httpx(server):
     raw = run_sync(raw_stream(server.url, BODY))
     lib = run_sync(_one(server.url, BODY))
-    assert raw.error is None and raw.status == 200
+    assert raw.error is None and raw.status == 200 and raw.content_type.startswith("text/event-stream")
     assert raw.token_ids == lib.token_ids and raw.text == lib.text
-    assert raw.request_id == raw.events[0].data["request_id"]
+    assert [e.event for e in raw.events] == [e.event for e in lib.events]
+    assert raw.request_id == raw.events[0].data["request_id"] == raw.headers["x-request-id"]
     assert raw.last_event_id == str(len(raw.events)) and raw.unfinished_bytes == 0
+    assert sum(e.nbytes for e in raw.events) == raw.total_bytes  # h11 undid the chunking: SSE bytes only
+
+
+def test_raw_client_paced_a_few_bytes_a_read_reads_the_same_events(server):
+    whole = run_sync(raw_stream(server.url, BODY))
+    paced = run_sync(raw_stream(server.url, BODY, ReadOptions(read_bytes=7, sleep=0.001)))
+    assert paced.error is None and paced.token_ids == whole.token_ids
+    assert [e.nbytes for e in paced.events][1:] == [e.nbytes for e in whole.events][1:]  # start's id differs
+    assert len({e.time for e in paced.events}) == len(paced.events)  # no two events came in one 7-byte read
+
+
+def test_raw_client_records_a_refusal_with_its_json_body(server):
+    r = run_sync(raw_stream(server.url, {"prompt": ""}))
+    assert r.status == 422 and r.events == [] and r.error is None
+    assert r.body["error"]["type"] == "invalid_request" and r.ended is not None
 
 
 @pytest.mark.parametrize("how", ["fin", "rst"])
@@ -158,9 +219,67 @@ def test_raw_client_leaves_by_fin_or_rst_and_the_server_releases(server, how):
     assert _released_record(server, r.request_id).finish_reason == "cancelled"
 
 
+def test_raw_client_leaves_when_its_flag_is_set(server):
+    async def run() -> StreamResult:
+        flag, result = Leave(), StreamResult(sent=0.0)
+        reader = asyncio.ensure_future(raw_stream(server.url, LONG, leave=flag, result=result, leave_by="rst"))
+        while len(result.tokens) < 3 and not reader.done():
+            await asyncio.sleep(0.005)
+        flag.set()
+        return await reader
+
+    r = run_sync(run())
+    assert r.left == "rst" and r.error is None and 3 <= len(r.tokens) < 200 and r.terminal is None
+    _assert_settled(server)
+
+
 def test_raw_client_that_never_reads_leaves_on_time(server):
     r = run_sync(raw_stream(server.url, LONG, read=False, leave_after_s=0.2, leave_by="rst"))
-    assert r.left == "rst" and r.events == [] and r.status == 0
+    assert r.left == "rst" and r.events == [] and r.status == 0 and r.error is None
+
+
+def test_raw_client_that_never_reads_needs_a_time_to_leave():
+    with pytest.raises(ValueError, match="leave_after_s"):
+        ReadOptions(read=False)
+
+
+def test_raw_connection_sets_its_receive_buffer_before_connecting():
+    import socket
+
+    conn = RawConnection("http://127.0.0.1:1", rcvbuf=4096)
+    try:
+        assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * 4096  # Linux doubles it
+    finally:
+        conn.close()
+
+
+def test_raw_client_records_a_stream_the_server_cut_as_cut_not_as_an_error():
+    """What a ``drop`` policy does: chunked head, one event and half of the next, then close."""
+    first, second = sse_event('{"a":1}', id=1), sse_event('{"b":2}', id=2)
+    sent = first + second[:5]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        writer.write(head + f"{len(sent):x}\r\n".encode() + sent + b"\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def run() -> StreamResult:
+        cutter = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = cutter.sockets[0].getsockname()[1]
+        async with cutter:
+            return await raw_stream(f"http://127.0.0.1:{port}", BODY)
+
+    r = run_sync(run())
+    assert r.error is None and r.status == 200 and r.left is None and r.ended is not None
+    assert [e.data for e in r.events] == [{"a": 1}] and r.terminal is None
+    assert r.total_bytes == len(sent) and r.unfinished_bytes == 5
+
+
+def test_a_raw_read_that_runs_out_of_time_is_an_error(server):
+    r = run_sync(raw_stream(server.url, LONG, sleep=0.05, timeout=0.3))
+    assert r.error is not None and r.error.startswith("TimeoutError") and r.left == "fin"
 
 
 def test_launch_streams_sends_every_request_before_any_stream_ends(server):

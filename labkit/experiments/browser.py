@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.readings import Verdict, interleaved, span
 from labkit.experiments.servers import serving
+from labkit.experiments.waiting import WaitTimeout, wait_for
 
 NAME = "browser"
 CHROMIUM = "/usr/bin/chromium"
@@ -145,17 +145,21 @@ def open_page(driver: Any, base: str, config: Config, retry: int | None) -> dict
         query |= {"mode": "eventsource", "retry": retry, "drop_after": config.drop_after}
     driver.get(f"{base}/lab/demo?{urlencode(query)}")
     wanted = ["eventsource"] + (["fetch"] if retry is None else [])
-    deadline = time.monotonic() + config.timeout
     script = (
         "const d = window.labkitDemo; return JSON.stringify(d ? {eventsource: d.eventsource, fetch: d.fetch} : {});"
     )
-    while True:
-        page = json.loads(driver.execute_script(script))
-        if all(page.get(w) and (page[w].get("finished") or page[w].get("failure")) for w in wanted):
-            return page
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the page did not finish within {config.timeout} s: {page}")
-        time.sleep(0.05)
+    pages: list[dict[str, Any]] = []
+
+    def finished() -> dict[str, Any]:
+        pages.append(json.loads(driver.execute_script(script)))
+        page = pages[-1]
+        done = all(page.get(w) and (page[w].get("finished") or page[w].get("failure")) for w in wanted)
+        return page if done else {}
+
+    try:
+        return wait_for(finished, timeout=config.timeout, what="the demo page to finish", interval=0.05)
+    except WaitTimeout as exc:
+        raise RuntimeError(f"the page did not finish within {config.timeout} s: {pages[-1]}") from exc
 
 
 def _content(events: list[dict[str, Any]]) -> list[tuple[str, str, str]]:

@@ -22,7 +22,7 @@ SmolLM2 from its cache costs a few seconds.
 from __future__ import annotations
 
 import array
-import asyncio
+import contextlib
 import fcntl
 import socket
 import termios
@@ -39,6 +39,7 @@ from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.rawhttp import RawConnection
 from labkit.experiments.readings import Verdict, current_step, fetch_steps, interleaved, span
 from labkit.experiments.servers import serving
+from labkit.experiments.waiting import WaitTimeout, await_for
 from labkit.prompts import PROMPTS
 
 NAME = "buffers"
@@ -131,7 +132,7 @@ async def flood_once(url: str, size: int, config: Config) -> dict[str, Any]:
         try:
             await conn.connect()
             started = time.perf_counter()
-            await conn.send_post("/lab/flood", body)
+            await conn.send("POST", "/lab/flood", body)
             record = await _poll(poll, flood_id, lambda r: r["blocked"] or r["finished"], config.timeout)
             seen = {
                 "client_rcvbuf": conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
@@ -154,17 +155,20 @@ def _accepted(record: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
-async def _poll(client: Any, flood_id: str, done: Any, timeout: float, every: float = 0.02) -> dict[str, Any] | None:
+async def _poll(client: Any, flood_id: str, done: Any, timeout: float) -> dict[str, Any] | None:
     """GET the flood's record until ``done(record)`` or ``timeout``; the last record seen."""
-    deadline, record = time.perf_counter() + timeout, None
-    while time.perf_counter() < deadline:
+    seen: list[dict[str, Any]] = []
+
+    async def record() -> dict[str, Any] | None:
         response = await client.get(f"/lab/flood/{flood_id}")
         if response.status_code == 200:
-            record = response.json()
-            if done(record):
-                break
-        await asyncio.sleep(every)
-    return record
+            seen.append(response.json())
+            return seen[-1] if done(seen[-1]) else None
+        return None
+
+    with contextlib.suppress(WaitTimeout):  # at the bound, the caller judges the last record
+        await await_for(record, timeout=timeout, what=f"flood {flood_id}")
+    return seen[-1] if seen else None
 
 
 def unread_bytes(sock: socket.socket) -> int:

@@ -8,10 +8,12 @@ directly, and a server started with ``serve_in_thread`` shares the process anywa
 * :func:`timed_stream` reads one SSE stream over httpx and records, for each event, when the
   chunk that completed it arrived, how many wire bytes it took (comments and padding included)
   and its parsed payload. It can read slowly (a sleep after every chunk) and leave early, after
-  N tokens or t seconds, by FIN or by RST.
+  N tokens or t seconds, by FIN or by RST, as its :class:`ReadOptions` say.
 * :func:`launch_streams` starts many at once and measures the makespan.
-* :mod:`labkit.experiments.rawhttp` is the raw-socket HTTP/1.1 client, for moments httpx hides.
-* :mod:`labkit.experiments.records` holds what both record (:class:`StreamResult`), re-exported here.
+* :func:`labkit.experiments.rawhttp.raw_stream` is the raw-socket HTTP/1.1 client (on h11), for
+  moments httpx hides; it takes the same :class:`ReadOptions`.
+* :mod:`labkit.experiments.records` holds what both take and record (:class:`ReadOptions`,
+  :class:`StreamResult`), re-exported here.
 * :func:`percentiles` and :func:`run_sync` are the small helpers every experiment needs.
 
 Leaving "by FIN" is ``shutdown(SHUT_WR)``: the server sees an orderly end of input, then the
@@ -31,9 +33,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
-import numpy as np
+import pandas as pd
 
-from labkit.experiments.records import EventSplitter, LeaveBy, StreamResult, TimedEvent, json_or_text
+from labkit.experiments.records import EventSplitter, LeaveBy, ReadOptions, StreamResult, TimedEvent, json_or_text
 
 __all__ = [
     "TimedEvent",
@@ -52,28 +54,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ReadOptions:
-    """How a client reads: at once, or sleeping after every chunk; to the end, or leaving early.
-
-    ``leave_after_tokens=0`` leaves as soon as the response's headers arrive. ``leave_after_s``
-    counts from sending the request. ``timeout`` bounds the whole read, whatever happens.
-    """
-
-    sleep_per_chunk: float = 0.0
-    leave_after_tokens: int | None = None
-    leave_after_s: float | None = None
-    leave_by: LeaveBy = "fin"
-    drain_after_fin_s: float = 2.0
-    timeout: float = 300.0
-
-    def __post_init__(self) -> None:
-        if self.leave_by not in ("fin", "rst"):
-            raise ValueError(f"ReadOptions.leave_by must be 'fin' or 'rst', got {self.leave_by!r}")
-        if self.sleep_per_chunk < 0 or self.timeout <= 0:
-            raise ValueError("ReadOptions.sleep_per_chunk must be >= 0 and timeout > 0")
 
 
 # --------------------------------------------------------------------------- leaving
@@ -107,7 +87,7 @@ async def timed_stream(
     body: dict[str, Any],
     *,
     path: str = "/v1/stream",
-    options: ReadOptions = ReadOptions(),
+    options: ReadOptions | None = None,
     result: StreamResult | None = None,
 ) -> StreamResult:
     """POST ``body`` to ``path`` and read the response as ``options`` say; never raises for I/O.
@@ -116,6 +96,7 @@ async def timed_stream(
     you run at once (see :func:`async_client`). Pass your own ``result`` to watch it fill while
     the stream runs (e.g. to wait until background streams have their first token).
     """
+    options = options or ReadOptions()
     result = result or StreamResult(sent=0.0)
     result.sent = time.perf_counter()
     try:
@@ -173,8 +154,8 @@ async def _read_events(
         result.events += splitter.feed(chunk, now)
         if _should_leave(result, options):
             return await _leave(response, options, result)
-        if options.sleep_per_chunk:
-            await asyncio.sleep(options.sleep_per_chunk)
+        if options.sleep:
+            await asyncio.sleep(options.sleep)
     result.ended = time.perf_counter()
 
 
@@ -241,13 +222,13 @@ def async_client(
 async def launch_streams(
     base_url: str,
     bodies: Sequence[dict[str, Any]],
-    options: ReadOptions | Sequence[ReadOptions] = ReadOptions(),
+    options: ReadOptions | Sequence[ReadOptions] | None = None,
     *,
     path: str = "/v1/stream",
     headers: dict[str, str] | None = None,
 ) -> Launch:
     """Send every body at once, each on its own connection, and read them all to the end."""
-    opts = list(options) if isinstance(options, Sequence) else [options] * len(bodies)
+    opts = list(options) if isinstance(options, Sequence) else [options or ReadOptions()] * len(bodies)
     if len(opts) != len(bodies):
         raise ValueError(f"{len(bodies)} bodies but {len(opts)} read options")
     async with async_client(base_url, connections=max(1, len(bodies)), headers=headers) as client:
@@ -256,7 +237,7 @@ async def launch_streams(
 
 
 async def launch_in_turn(
-    base_url: str, bodies: Sequence[dict[str, Any]], options: ReadOptions = ReadOptions(), *, path: str = "/v1/stream"
+    base_url: str, bodies: Sequence[dict[str, Any]], options: ReadOptions | None = None, *, path: str = "/v1/stream"
 ) -> Launch:
     """Send the bodies one after another, each after the previous ended: the back-to-back baseline.
 
@@ -280,11 +261,13 @@ def _makespan(results: Iterable[StreamResult]) -> float:
 
 
 def percentiles(values: Iterable[float | None], qs: Sequence[float] = (50, 99)) -> dict[str, float]:
-    """``{"p50": ..., "p99": ...}`` by linear interpolation; NaN for no values."""
-    data = np.asarray([v for v in values if v is not None], dtype=float)
-    if data.size == 0:
-        return {f"p{q:g}": float("nan") for q in qs}
-    return {f"p{q:g}": float(np.percentile(data, q)) for q in qs}
+    """``{"p50": ..., "p99": ...}``; missing values skipped, NaN for no values.
+
+    Linear interpolation between the two nearest ranks (pandas' ``Series.quantile`` default,
+    numpy's ``percentile`` default), not nearest-rank: the p50 of 1, 2, 3, 4 is 2.5.
+    """
+    data = pd.Series([v for v in values if v is not None], dtype=float)
+    return {f"p{q:g}": float(data.quantile(q / 100)) for q in qs}
 
 
 def run_sync(coro: Awaitable[T]) -> T:

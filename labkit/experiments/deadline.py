@@ -42,6 +42,7 @@ from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.readings import Verdict, fetch_steps, interleaved, span, spread
 from labkit.experiments.servers import loaded_model, server_like
+from labkit.experiments.waiting import WaitTimeout, wait_for
 from labkit.prompts import PROMPTS
 from labkit.sse import SSEParser
 
@@ -305,13 +306,14 @@ def calibration_table(config: Config, solo: dict[bool, float]) -> pd.DataFrame:
 
 def _wait_idle(url: str, timeout: float = 30.0) -> None:
     """Until the server holds no stream and no request (over HTTP, bounded)."""
-    end = time.perf_counter() + timeout
     with httpx.Client(base_url=url, timeout=10, trust_env=False) as client:
-        while time.perf_counter() < end:
+
+        def idle() -> bool:
             s = client.get("/stats").json()
-            if s["open_streams"] == 0 and s["waiting"] == 0 and s["running"] == 0:
-                return
-            time.sleep(0.02)
+            return s["open_streams"] == 0 and s["waiting"] == 0 and s["running"] == 0
+
+        with contextlib.suppress(WaitTimeout):  # at the bound the next load starts anyway
+            wait_for(idle, timeout=timeout, what="an idle server")
 
 
 def _readings(url: str) -> pd.DataFrame:

@@ -33,7 +33,7 @@ from labkit.experiments.client import run_sync
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.rawhttp import raw_stream
-from labkit.experiments.rawreader import read_stream
+from labkit.experiments.rawhttp import raw_stream as read_stream
 from labkit.experiments.readings import Verdict, current_step, fetch_steps, span
 from labkit.experiments.records import LeaveBy, StreamResult
 from labkit.experiments.servers import (

@@ -34,6 +34,7 @@ import pandas as pd
 from labkit.experiments.profiles import Profile, repo_root
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.readings import Verdict, fetch_steps
+from labkit.experiments.waiting import wait_for
 from labkit.sse import SSEParser
 
 NAME = "drain"
@@ -106,15 +107,16 @@ def labkit_serve(config: Config, port: int) -> Iterator[subprocess.Popen]:
         serve_argv(config, port), cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + config.start_timeout
-        while not _healthy(url):
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
             if proc.poll() is not None:
                 raise RuntimeError(
                     f"labkit serve exited with {proc.returncode}: {proc.communicate(timeout=30)[1][-2000:]}"
                 )
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"labkit serve did not answer /healthz within {config.start_timeout} s")
-            time.sleep(0.1)
+            return _healthy(url)
+
+        wait_for(up, timeout=config.start_timeout, what="labkit serve to answer /healthz", interval=0.1)
         yield proc
     finally:
         if proc.poll() is None:
@@ -226,13 +228,14 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
             time.sleep(0.2)  # the holder is admitted first and keeps its slot
             for r in readers:
                 r.start()
-            _wait(  # every stream open (admitted, running or queued), and one of them decoding
+            wait_for(  # every stream open (admitted, running or queued), and one of them decoding
                 lambda: (
                     all(r.status is not None or not r.is_alive() for r in readers)
                     and any(r.tokens >= 3 for r in readers)
                 ),
-                config.timeout,
-                "every stream to open and one to have its first tokens",
+                timeout=config.timeout,
+                what="every stream to open and one to have its first tokens",
+                interval=0.01,
             )
             stop = threading.Event()
             prober = threading.Thread(target=probe_until_refused, args=(url, config, stop, probes), daemon=True)
@@ -290,14 +293,6 @@ def run(config: Config, *, server: Any = None, progress: Progress | None = None)
         "reconnect": reconnect,
         "steps": steps,
     }
-
-
-def _wait(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 def stream_table(readers: list[Reader], signalled: float) -> pd.DataFrame:

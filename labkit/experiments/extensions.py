@@ -36,9 +36,9 @@ from labkit.experiments.client import async_client, launch_streams, run_sync
 from labkit.experiments.identity import MUST_MATCH, VS_GREEDY, generate, identity_table, measure_identity
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
-from labkit.experiments.rawreader import read_stream
+from labkit.experiments.rawhttp import raw_stream
 from labkit.experiments.readings import Verdict, current_step, fetch_steps, interleaved, span, spread
-from labkit.experiments.records import EventSplitter
+from labkit.experiments.records import EventSplitter, ReadOptions
 from labkit.experiments.saturation import measure_saturation
 from labkit.experiments.servers import loaded_model, server_like, serving
 from labkit.experiments.slowreaders import Pace, launch, records, released
@@ -271,7 +271,8 @@ async def measure_resume(srv: Any, config: Config) -> pd.DataFrame:
 async def resume_trial(
     srv: Any, client: httpx.AsyncClient, body: dict[str, Any], leave_after: int, wait: float, reference: dict[str, Any]
 ) -> dict[str, Any]:
-    first = await read_stream(srv.url, {**body, "resumable": True}, leave_after_tokens=leave_after, leave_by="rst")
+    leaving = ReadOptions(leave_after_tokens=leave_after, leave_by="rst", leave_after_s=120.0)
+    first = await raw_stream(srv.url, {**body, "resumable": True}, leaving)
     last = int(first.last_event_id or 0)
     start = next((e.data for e in first.events if e.event == "start"), {})
     await asyncio.sleep(wait)

@@ -48,6 +48,7 @@ from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.readings import Verdict, current_step, fetch_steps, interleaved, span, spread
 from labkit.experiments.servers import serving
+from labkit.experiments.waiting import await_for
 from labkit.prompts import PROMPTS
 
 NAME = "overlap"
@@ -470,7 +471,12 @@ async def _joiner_round(url: str, config: Config, background: int, offsets: list
             for i, r in enumerate(long)
         ]
         try:
-            await _wait_until(lambda: all(r.tokens or r.ended for r in long), timeout=300.0)
+            await await_for(
+                lambda: all(r.tokens or r.ended for r in long),
+                timeout=300.0,
+                what="every long stream's first token",
+                interval=0.005,
+            )
             t0 = time.perf_counter()
 
             async def join(j: int, offset: float) -> StreamResult:
@@ -504,14 +510,6 @@ def joiner_row(
         "error": r.error,
         "result": r,  # taken off once its steps are counted
     }
-
-
-async def _wait_until(condition: Any, timeout: float, poll: float = 0.005) -> None:
-    deadline = time.perf_counter() + timeout
-    while not condition():
-        if time.perf_counter() > deadline:
-            raise TimeoutError(f"condition not met within {timeout} s")
-        await asyncio.sleep(poll)
 
 
 def condition_label(joiners: pd.DataFrame, background: int) -> str:

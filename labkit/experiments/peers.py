@@ -40,6 +40,7 @@ from labkit.experiments.target_disconnect import DisconnectConfig, run_disconnec
 from labkit.experiments.target_probe import connect, quirks_table
 from labkit.experiments.target_runs import OverlapConfig, run_overlap
 from labkit.experiments.target_slow import SlowConfig, run_slow
+from labkit.experiments.waiting import WaitTimeout, wait_for
 
 __all__ = ["NAME", "Config", "Server", "serve", "run", "combine", "closing_table", "verdicts", "report", "plot"]
 
@@ -187,12 +188,17 @@ def stop(proc: subprocess.Popen, log: Path | None = None, grace_s: float = 10.0)
     spinning at full CPU after "Finished server process") or after ``grace_s``; always reaped."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + grace_s
-        while proc.poll() is None and time.monotonic() < deadline:
-            if log is not None and b"Finished server process" in log.read_bytes()[-4096:]:
-                time.sleep(0.2)  # its own exit, if it comes, comes now
-                break
-            time.sleep(0.05)
+
+        def finished() -> bool:
+            return proc.poll() is not None or (
+                log is not None and b"Finished server process" in log.read_bytes()[-4096:]
+            )
+
+        with contextlib.suppress(WaitTimeout):  # then it is killed
+            wait_for(finished, timeout=grace_s, what="the server to finish", interval=0.05)
+        if proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(0.2)  # its own exit, if it comes, comes now
     if proc.poll() is None:
         proc.kill()
     proc.wait(10)
@@ -205,18 +211,19 @@ def _free_port() -> int:
 
 
 def _wait_until_up(url: str, proc: subprocess.Popen, timeout: float, log: Path, name: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def up() -> bool:
         if proc.poll() is not None:
             tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
             raise TargetError(url, f"{name} exited with status {proc.returncode}: {tail[0][:200]}")
         try:
-            if httpx.get(url + "/v1/models", timeout=2, trust_env=False).status_code == 200:
-                return
+            return httpx.get(url + "/v1/models", timeout=2, trust_env=False).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise TargetError(url, f"{name} did not answer GET /v1/models within {timeout:g} s (log: {log})")
+            return False
+
+    try:
+        wait_for(up, timeout=timeout, what=f"{name} to answer GET /v1/models", interval=0.25)
+    except WaitTimeout as exc:
+        raise TargetError(url, f"{name} did not answer GET /v1/models within {timeout:g} s (log: {log})") from exc
 
 
 # --------------------------------------------------------------------------- measuring one

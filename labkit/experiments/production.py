@@ -45,6 +45,7 @@ from labkit.experiments.proxy import Route, running_nginx
 from labkit.experiments.readings import current_step, fetch_steps
 from labkit.experiments.records import EventSplitter, StreamResult
 from labkit.experiments.servers import loaded_model, server_like, serving
+from labkit.experiments.waiting import WaitTimeout, await_for, wait_for
 from labkit.experiments.workload import stream_body
 
 NAME = "production"
@@ -385,9 +386,13 @@ async def _quiet_probe(server: Any, base: str, count: int, config: Config) -> Pr
     async with async_client(server.url, connections=count + 1, timeout=config.timeout) as client:
         tasks = [asyncio.ensure_future(timed_stream(client, body, result=r)) for r in blockers]
         try:
-            deadline = time.perf_counter() + config.timeout
-            while not all(r.status for r in blockers) and time.perf_counter() < deadline:
-                await asyncio.sleep(0.005)  # every blocker submitted (its headers came back) first
+            with contextlib.suppress(WaitTimeout):  # at the bound the probe goes anyway
+                await await_for(  # every blocker submitted (its headers came back) first
+                    lambda: all(r.status for r in blockers),
+                    timeout=config.timeout,
+                    what="blockers' heads",
+                    interval=0.005,
+                )
             return await probe(client, f"{base}/v1/stream", stream_body(2, 8, ignore_eos=True), config.timeout)
         finally:
             for task in tasks:
@@ -417,13 +422,11 @@ def keepalive_row(pings: str, interval: float, rep: int, config: Config, seen: P
 
 
 def _wait_idle(server: Any, timeout: float) -> None:
-    deadline = time.perf_counter() + timeout
-    while time.perf_counter() < deadline:
+    def idle() -> bool:
         stats = server.engine.stats()
-        if stats["running"] == 0 and stats["waiting"] == 0 and stats.get("paused", 0) == 0:
-            return
-        time.sleep(0.01)
-    raise RuntimeError("the server's engine did not go idle after a keep-alive probe")
+        return stats["running"] == 0 and stats["waiting"] == 0 and stats.get("paused", 0) == 0
+
+    wait_for(idle, timeout=timeout, what="the server's engine to go idle after a keep-alive probe", interval=0.01)
 
 
 def keepalive_summary(keepalive: pd.DataFrame) -> pd.DataFrame:

@@ -22,10 +22,11 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from labkit.experiments.waiting import wait_for
 
 __all__ = ["Route", "Nginx", "NginxUnavailable", "nginx_binary", "running_nginx", "nginx_config", "free_port"]
 
@@ -165,8 +166,7 @@ def running_nginx(routes: Sequence[Route], *, startup_timeout: float = 10.0) -> 
 
 
 def _wait_accepting(nginx: Nginx, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def accepting() -> bool:
         if nginx.process.poll() is not None:
             stderr = nginx.process.stderr.read().decode(errors="replace") if nginx.process.stderr else ""
             raise RuntimeError(
@@ -174,9 +174,10 @@ def _wait_accepting(nginx: Nginx, timeout: float) -> None:
                 f"{stderr.strip() or nginx.error_log().strip()[-2000:]}"
             )
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", nginx.port), timeout=0.2):
-            return
-        time.sleep(0.02)
-    raise RuntimeError(f"nginx did not accept on port {nginx.port} within {timeout} s")
+            return True
+        return False
+
+    wait_for(accepting, timeout=timeout, what=f"nginx to accept on port {nginx.port}")
 
 
 def _stop(process: subprocess.Popen) -> None:

@@ -1,10 +1,14 @@
-"""A raw-socket HTTP/1.1 client: for the moments a library client hides.
+"""A raw-socket HTTP/1.1 client on h11: for the moments a library client hides.
 
-httpx decides when bytes are read and how a connection ends. The buffers and disconnect
-experiments need to choose: a client that sends a request and never reads a byte, or one that
-leaves by FIN or RST at an exact moment (before the headers arrive, after N tokens). This client
-owns its socket, speaks just enough HTTP/1.1 (one POST, ``Connection: close``), undoes chunked
-transfer encoding to recover the SSE bytes, and reports in the same :class:`StreamResult` as
+httpx decides when bytes are read and how a connection ends. The buffers, disconnect and
+slow-client experiments need to choose: a client that sends a request and never reads a byte,
+one that takes at most N bytes per read and sleeps between reads, one with a small receive
+buffer, or one that leaves by FIN or RST at an exact moment (before the head arrives, after N
+tokens, when told to). This client owns its socket and that timing; h11 speaks the HTTP (the
+request, the response head, chunked transfer encoding), and the body's bytes go to the same
+:class:`~labkit.experiments.records.EventSplitter` as the httpx reader's. It takes the same
+:class:`~labkit.experiments.records.ReadOptions` and reports in the same
+:class:`~labkit.experiments.records.StreamResult` as
 :func:`labkit.experiments.client.timed_stream`, so tables mix both clients freely.
 """
 
@@ -15,61 +19,40 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
+import h11
+
 from labkit.experiments.client import leave_socket
-from labkit.experiments.records import EventSplitter, LeaveBy, StreamResult, json_or_text
+from labkit.experiments.records import EventSplitter, LeaveBy, ReadOptions, StreamResult, json_or_text
 
-__all__ = ["ChunkedDecoder", "RawConnection", "raw_stream"]
+__all__ = ["Leave", "RawConnection", "raw_stream"]
 
-_MAX_HEAD = 64 * 1024
+_KEEP_BODY = 64 * 1024  # of a body that is not a stream (a refusal), this much is kept
 
 
-class ChunkedDecoder:
-    """Incremental decoder for ``Transfer-Encoding: chunked``: feed wire bytes, get body bytes."""
+class Leave:
+    """A flag a running reader watches: :meth:`set` it (on the reader's loop) and it leaves now."""
 
     def __init__(self) -> None:
-        self._buffer = b""
-        self._left = 0  # body bytes still to come in the current chunk
-        self._need_crlf = False  # a chunk's data ended; its CRLF comes next
-        self.done = False
+        self._event = asyncio.Event()
 
-    def feed(self, data: bytes) -> bytes:
-        self._buffer += data
-        out: list[bytes] = []
-        while not self.done and self._advance(out):
-            pass
-        return b"".join(out)
+    @property
+    def now(self) -> bool:
+        return self._event.is_set()
 
-    def _advance(self, out: list[bytes]) -> bool:
-        """Consume one piece (data, CRLF or size line) if it is all there; False to wait."""
-        if self._left:
-            piece, self._buffer = self._buffer[: self._left], self._buffer[self._left :]
-            self._left -= len(piece)
-            out.append(piece)
-            self._need_crlf = self._left == 0
-            return bool(piece) and self._left == 0
-        if self._need_crlf:
-            if len(self._buffer) < 2:
-                return False
-            self._buffer, self._need_crlf = self._buffer[2:], False
-            return True
-        line_end = self._buffer.find(b"\r\n")
-        if line_end < 0:
-            return False
-        size = int(self._buffer[:line_end].split(b";")[0].strip() or b"0", 16)
-        self._buffer = self._buffer[line_end + 2 :]
-        self._left, self.done = size, size == 0
-        return True
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
 
 
 class RawConnection:
-    """One TCP connection driven by hand with non-blocking socket calls on the running loop.
-
-    ``rcvbuf`` sets ``SO_RCVBUF`` before connecting (which also stops Linux from growing it).
-    """
+    """One TCP connection driven with non-blocking socket calls on the running loop; h11 keeps
+    the HTTP/1.1 state. ``rcvbuf`` sets ``SO_RCVBUF`` before connecting."""
 
     def __init__(self, base_url: str, rcvbuf: int | None = None) -> None:
         parts = urlsplit(base_url)
@@ -78,54 +61,37 @@ class RawConnection:
         self.sock.setblocking(False)
         if rcvbuf is not None:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.http = h11.Connection(h11.CLIENT)
         self.closed = False
 
     async def connect(self) -> None:
         await asyncio.get_running_loop().sock_connect(self.sock, (self.host, self.port))
 
-    async def send_post(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-        payload = json.dumps(body).encode()
-        lines = [
-            f"POST {path} HTTP/1.1",
-            f"Host: {self.host}:{self.port}",
-            "Content-Type: application/json",
-            f"Content-Length: {len(payload)}",
-            "Accept: text/event-stream",
-            "Connection: close",
-        ]
-        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
-        request = ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
-        await asyncio.get_running_loop().sock_sendall(self.sock, request)
+    async def send(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None) -> None:
+        """One request, JSON ``body`` if given, ``Connection: close``: this socket serves one response."""
+        payload = b"" if body is None else json.dumps(body).encode()
+        fields = [("Host", f"{self.host}:{self.port}"), ("Accept", "text/event-stream"), ("Connection", "close")]
+        if body is not None:
+            fields += [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))]
+        fields += list((headers or {}).items())
+        wire = self.http.send(h11.Request(method=method, target=path, headers=fields)) or b""
+        if payload:
+            wire += self.http.send(h11.Data(data=payload)) or b""
+        wire += self.http.send(h11.EndOfMessage()) or b""
+        await asyncio.get_running_loop().sock_sendall(self.sock, wire)
 
     async def recv(self, timeout: float | None = None, size: int = 65536) -> bytes:
-        """The next bytes, ``b""`` at the server's close; TimeoutError after ``timeout``."""
-        loop = asyncio.get_running_loop()
-        return await asyncio.wait_for(loop.sock_recv(self.sock, size), timeout)
-
-    async def read_head(self, timeout: float | None = None) -> tuple[int, dict[str, str], bytes]:
-        """Status, lower-cased headers, and whatever body bytes came with them."""
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = await self.recv(timeout)
-            if not chunk or len(data) > _MAX_HEAD:
-                raise ConnectionError(f"no complete response head in {len(data)} bytes")
-            data += chunk
-        head, rest = data.split(b"\r\n\r\n", 1)
-        status_line, *header_lines = head.decode("latin-1").split("\r\n")
-        headers = {}
-        for line in header_lines:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        return int(status_line.split()[1]), headers, rest
+        """The next bytes off the socket, ``b""`` at the server's close; TimeoutError after ``timeout``."""
+        return await asyncio.wait_for(asyncio.get_running_loop().sock_recv(self.sock, size), timeout)
 
     def leave(self, how: LeaveBy) -> None:
-        """FIN (shut our side; the caller may drain then :meth:`close`) or RST (close now)."""
+        """FIN (shut our side; the caller may :meth:`drain` then :meth:`close`) or RST (close now)."""
         leave_socket(self.sock, how)
         if how == "rst":
             self.close()
 
     async def drain(self, seconds: float) -> int:
-        """After a FIN: read until the server closes or ``seconds`` pass; the bytes read."""
+        """After a FIN: read (raw, unparsed) until the server closes or ``seconds`` pass; the bytes read."""
         total, deadline = 0, time.perf_counter() + seconds
         while not self.closed and (left := deadline - time.perf_counter()) > 0:
             try:
@@ -143,122 +109,153 @@ class RawConnection:
             self.sock.close()
 
 
-@contextlib.contextmanager
-def recorded(conn: RawConnection, result: StreamResult) -> Iterator[None]:
-    """Write a network failure into ``result.error`` instead of raising; always close ``conn``
-    and stamp ``result.ended``, so a client's record is complete however its stream went."""
-    try:
-        yield
-    except (OSError, ConnectionError, asyncio.TimeoutError, ValueError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        conn.close()
-        result.ended = result.ended or time.perf_counter()
-
-
 async def raw_stream(
-    base_url: str,
+    url: str,
     body: dict[str, Any],
+    options: ReadOptions | None = None,
     *,
     path: str = "/v1/stream",
-    read: bool = True,
-    leave_after_tokens: int | None = None,
-    leave_after_s: float | None = None,
-    leave_by: LeaveBy = "fin",
-    rcvbuf: int | None = None,
-    drain_after_fin_s: float = 2.0,
-    timeout: float = 300.0,
+    headers: dict[str, str] | None = None,
+    leave: Leave | None = None,
+    result: StreamResult | None = None,
+    **fields: Any,
 ) -> StreamResult:
-    """POST ``body`` over a fresh socket; read the SSE body, or (``read=False``) never read.
+    """POST ``body`` to ``path`` over a fresh socket and read the response as ``options`` say
+    (``fields`` replace single options: ``raw_stream(url, body, leave_by="rst")``).
 
-    Leaves by ``leave_by`` after ``leave_after_tokens`` token events (0: once the headers are in)
-    or ``leave_after_s`` seconds from sending, whichever comes first; a client that never reads
-    must say when to leave. Never raises for I/O; the connection is always closed on return.
+    Leaves by ``leave_by`` when ``leave_after_tokens`` tokens are in (0: once the head is in),
+    at ``leave_after_s`` (or ``timeout``) from sending, or when ``leave`` is set, whichever comes
+    first. Pass your own ``result`` to watch it fill while the stream runs. Never raises for
+    I/O; the connection is always closed on return.
     """
-    if not read and leave_after_s is None:
-        raise ValueError("a client that never reads needs leave_after_s")
-    conn = RawConnection(base_url, rcvbuf)
-    result = StreamResult(sent=time.perf_counter())
-    with recorded(conn, result):
+    opts = replace(options or ReadOptions(), **fields)
+    conn = RawConnection(url, opts.rcvbuf)
+    result = result or StreamResult(sent=0.0)
+    result.sent = time.perf_counter()
+    stop = _Stop(opts, leave or Leave())
+    try:
         await conn.connect()
         result.sent = time.perf_counter()
-        await conn.send_post(path, body)
-        deadline = result.sent + min(timeout, leave_after_s if leave_after_s is not None else timeout)
-        if read:
-            await _read(conn, result, leave_after_tokens, deadline)
+        await conn.send("POST", path, body, headers)
+        if opts.read:
+            await _read(conn, result, opts, stop)
         else:
-            await asyncio.sleep(max(0.0, deadline - time.perf_counter()))
-        if result.ended is None and leave_after_tokens is None and leave_after_s is None:
-            result.error = f"TimeoutError: no end within {timeout} s"
+            await stop.sleep(result)
         if result.ended is None:
-            await _leave(conn, result, leave_by, drain_after_fin_s)
+            if stop.timed_out():
+                result.error = f"TimeoutError: no end within {opts.timeout:g} s"
+            await _leave(conn, result, opts)
+    except (OSError, asyncio.TimeoutError, h11.ProtocolError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        stop.close()
+        conn.close()
+        result.ended = result.ended or time.perf_counter()
     return result
 
 
-async def _read(conn: RawConnection, result: StreamResult, leave_after_tokens: int | None, deadline: float) -> None:
-    """Read head and body until the server ends, the token count is reached, or the deadline."""
-    try:
-        status, headers, rest = await conn.read_head(max(0.0, deadline - time.perf_counter()))
-    except asyncio.TimeoutError:
-        return
-    result.headers_at, result.status, result.headers = time.perf_counter(), status, headers
-    result.content_type, result.request_id = headers.get("content-type", ""), headers.get("x-request-id")
-    body = _Body(headers)
-    splitter = EventSplitter()
-    data = rest
+class _Stop:
+    """When a reader stops reading: its bound in time, the ``leave`` flag, a number of tokens."""
+
+    def __init__(self, options: ReadOptions, leave: Leave) -> None:
+        self.options, self.leave = options, leave
+        self._flag: asyncio.Future[None] | None = None
+
+    def now(self, result: StreamResult) -> bool:
+        n = self.options.leave_after_tokens
+        enough = n is not None and result.headers_at is not None and len(result.tokens) >= n
+        return (enough and result.terminal is None) or self.leave.now or self._left(result) <= 0
+
+    def timed_out(self) -> bool:
+        """Stopped by ``timeout`` alone: no planned leave (tokens, seconds, the flag) ended it."""
+        o = self.options
+        return o.leave_after_tokens is None and o.leave_after_s is None and not self.leave.now
+
+    async def recv(self, conn: RawConnection, result: StreamResult) -> bytes | None:
+        """The next read (``b""``: the server closed), or None if the bound or the flag came first."""
+        if self.leave.now or self._left(result) <= 0:
+            return None
+        read: asyncio.Future[Any] = asyncio.ensure_future(
+            asyncio.get_running_loop().sock_recv(conn.sock, self.options.read_bytes)
+        )
+        flag: asyncio.Future[Any] = self._flag_future()
+        await asyncio.wait({read, flag}, timeout=self._left(result), return_when=asyncio.FIRST_COMPLETED)
+        if not read.done():
+            read.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await read
+        return read.result() if read.done() and not read.cancelled() else None
+
+    async def sleep(self, result: StreamResult) -> None:
+        """Until the bound or the flag: a client that never reads."""
+        await asyncio.wait({self._flag_future()}, timeout=max(0.0, self._left(result)))
+
+    def _left(self, result: StreamResult) -> float:
+        return result.sent + self.options.bound_s - time.perf_counter()
+
+    def _flag_future(self) -> asyncio.Future[None]:
+        if self._flag is None:
+            self._flag = asyncio.ensure_future(self.leave.wait())
+        return self._flag
+
+    def close(self) -> None:
+        if self._flag is not None:
+            self._flag.cancel()
+
+
+async def _read(conn: RawConnection, result: StreamResult, opts: ReadOptions, stop: _Stop) -> None:
+    """Read the response until it ends, the server closes, or ``stop`` says so (then the caller
+    leaves). The body's bytes of each read go to the splitter stamped with the read's time."""
+    splitter, kept = EventSplitter(), bytearray()
     while True:
-        _take(body.feed(data), splitter, result)
-        if leave_after_tokens is not None and len(result.tokens) >= leave_after_tokens and result.terminal is None:
+        data = await stop.recv(conn, result)
+        if data is None:
             return
-        if body.complete:
-            break
+        conn.http.receive_data(data)
         try:
-            data = await conn.recv(max(0.0, deadline - time.perf_counter()))
-        except asyncio.TimeoutError:
-            return
-        if not data:
+            complete = _take(conn.http, result, splitter, kept, time.perf_counter())
+        except h11.RemoteProtocolError:
+            if data or result.headers_at is None:
+                raise
+            complete = True  # the server closed in the middle of the body: a cut stream, not an error
+        if complete or not data:
             break
+        if stop.now(result):
+            return
+        if opts.sleep:
+            await asyncio.sleep(opts.sleep)
+            if stop.now(result):
+                return
     result.ended = time.perf_counter()
     if not result.content_type.startswith("text/event-stream"):
-        result.body = json_or_text(body.collected)
+        result.body = json_or_text(bytes(kept))
 
 
-def _take(data: bytes, splitter: EventSplitter, result: StreamResult) -> None:
-    if not data:
-        return
-    result.total_bytes += len(data)
-    if result.content_type.startswith("text/event-stream"):
-        result.events += splitter.feed(data, time.perf_counter())
-        result.unfinished_bytes, result.last_event_id = splitter.pending, splitter.parser.last_event_id
+def _take(http: h11.Connection, result: StreamResult, splitter: EventSplitter, kept: bytearray, now: float) -> bool:
+    """Everything h11 can make of the bytes so far; True once the response is complete."""
+    while True:
+        event = http.next_event()
+        if event is h11.NEED_DATA:
+            return False
+        if isinstance(event, h11.Response):
+            result.headers_at, result.status = now, event.status_code
+            result.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
+            result.content_type = result.headers.get("content-type", "")
+            result.request_id = result.headers.get("x-request-id")
+        elif isinstance(event, h11.Data):
+            result.total_bytes += len(event.data)
+            if result.content_type.startswith("text/event-stream"):
+                result.events += splitter.feed(bytes(event.data), now)
+                result.unfinished_bytes, result.last_event_id = splitter.pending, splitter.parser.last_event_id
+            elif len(kept) < _KEEP_BODY:
+                kept += event.data[: _KEEP_BODY - len(kept)]
+        elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+            return True
 
 
-async def _leave(conn: RawConnection, result: StreamResult, how: LeaveBy, drain_s: float) -> None:
-    result.left, result.left_at = how, time.perf_counter()
-    conn.leave(how)
-    if how == "fin":
-        result.drained_bytes = await conn.drain(drain_s)
+async def _leave(conn: RawConnection, result: StreamResult, opts: ReadOptions) -> None:
+    result.left, result.left_at = opts.leave_by, time.perf_counter()
+    conn.leave(opts.leave_by)
+    if opts.leave_by == "fin":
+        result.drained_bytes = await conn.drain(opts.drain_after_fin_s)
     result.ended = time.perf_counter()
-
-
-class _Body:
-    """The response body after the head: chunked, fixed length, or until the server closes."""
-
-    def __init__(self, headers: dict[str, str]) -> None:
-        self.chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-        self.decoder = ChunkedDecoder()
-        length = headers.get("content-length")
-        self.remaining = int(length) if length is not None and not self.chunked else None
-        self.collected = b""
-
-    def feed(self, data: bytes) -> bytes:
-        out = self.decoder.feed(data) if self.chunked else data
-        if self.remaining is not None:
-            out = out[: self.remaining]
-            self.remaining -= len(out)
-        if len(self.collected) < _MAX_HEAD:
-            self.collected += out[: _MAX_HEAD - len(self.collected)]
-        return out
-
-    @property
-    def complete(self) -> bool:
-        return self.decoder.done if self.chunked else self.remaining == 0

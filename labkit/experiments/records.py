@@ -1,21 +1,68 @@
-"""What a client saw of one request: its events, with arrival times and wire bytes.
+"""What a client is told to do, and what it saw of one request: its events, with arrival times
+and wire bytes.
 
 Shared by both clients (:func:`labkit.experiments.client.timed_stream` over httpx and
-:func:`labkit.experiments.rawhttp.raw_stream` over a raw socket), so a table can mix them.
+:func:`labkit.experiments.rawhttp.raw_stream` over a raw socket): both take a
+:class:`ReadOptions` and fill a :class:`StreamResult`, so a table can mix them.
 Times are ``time.perf_counter()`` values, the engine's clock.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from labkit.sse import SSEParser
 
-__all__ = ["LeaveBy", "TimedEvent", "StreamResult", "EventSplitter", "json_or_text"]
+__all__ = ["LeaveBy", "ReadOptions", "TimedEvent", "StreamResult", "EventSplitter", "json_or_text"]
 
 LeaveBy = Literal["fin", "rst"]
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How a client reads, for both readers: at once or paced, to the end or leaving early.
+
+    ``sleep`` seconds after every read (a slow reader). ``leave_after_tokens=0`` leaves as soon as
+    the response's head arrives; ``leave_after_s`` counts from sending the request; the first of
+    these (or ``timeout``) ends the read, and the client leaves by ``leave_by``. After a FIN it
+    reads on, uncounted, for at most ``drain_after_fin_s`` until the server closes, so the close
+    stays a FIN. ``timeout`` bounds the whole read, whatever happens; reaching it with nothing
+    else planned is recorded as an error.
+
+    The raw-socket reader alone also honours: ``read_bytes`` (the most one read takes off the
+    socket), ``read=False`` (never read a byte; needs ``leave_after_s``) and ``rcvbuf``
+    (``SO_RCVBUF`` set before connecting, which also stops Linux from growing it). httpx owns
+    those for its reader.
+    """
+
+    sleep: float = 0.0
+    leave_after_tokens: int | None = None
+    leave_after_s: float | None = None
+    leave_by: LeaveBy = "fin"
+    drain_after_fin_s: float = 2.0
+    timeout: float = 300.0
+    read_bytes: int = 64 * 1024
+    read: bool = True
+    rcvbuf: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.leave_by not in ("fin", "rst"):
+            raise ValueError(f"ReadOptions.leave_by must be 'fin' or 'rst', got {self.leave_by!r}")
+        if self.sleep < 0 or self.timeout <= 0 or self.read_bytes < 1:
+            raise ValueError("ReadOptions: need sleep >= 0, timeout > 0 and read_bytes >= 1")
+        if not self.read and self.leave_after_s is None:
+            raise ValueError("ReadOptions: a client that never reads (read=False) needs leave_after_s")
+
+    @property
+    def bound_s(self) -> float:
+        """Seconds from sending after which the read stops, whatever else happened."""
+        return self.timeout if self.leave_after_s is None else min(self.timeout, self.leave_after_s)
 
 
 # --------------------------------------------------------------------------- records
@@ -110,8 +157,13 @@ class StreamResult:
 class EventSplitter:
     """An :class:`SSEParser` that also charges each event its wire bytes and arrival time.
 
-    A chunk is fed up to each blank line separately, so events that share a chunk still get
-    their own byte counts; the byte count of an event is everything since the previous one.
+    Bytes are fed to the parser one line at a time (a piece ends at each CR or LF), so the
+    splitter knows the exact byte at which the parser completed an event: that event is charged
+    every byte since the previous one up to and including that byte, and stamped with the
+    arrival time of the read that brought it. The counts do not depend on how the stream was cut
+    into reads: a blank line whose LF starts the next read, or a CRLF cut between two reads,
+    charges the same bytes to the same event. (With CRLF line ends the parser completes an event
+    at the CR of its blank line; the LF after it is counted with the next event.)
     """
 
     def __init__(self) -> None:
@@ -121,20 +173,28 @@ class EventSplitter:
     def feed(self, chunk: bytes, now: float) -> list[TimedEvent]:
         events: list[TimedEvent] = []
         start = 0
-        while start < len(chunk):
-            cut = chunk.find(b"\n\n", start)
-            end = len(chunk) if cut < 0 else cut + 2
-            self._pending += end - start
-            for parsed in self.parser.feed(chunk[start:end]):
-                events.append(TimedEvent(now, self._pending, parsed.event, parsed.id, _payload(parsed.data)))
-                self._pending = 0
-            start = end
+        for match in _LINE_END.finditer(chunk):
+            events += self._line(chunk[start : match.end()], now)
+            start = match.end()
+        if start < len(chunk):
+            events += self._line(chunk[start:], now)  # a line still open: never completes an event
+        return events
+
+    def _line(self, piece: bytes, now: float) -> list[TimedEvent]:
+        self._pending += len(piece)
+        events = []
+        for parsed in self.parser.feed(piece):
+            events.append(TimedEvent(now, self._pending, parsed.event, parsed.id, _payload(parsed.data)))
+            self._pending = 0
         return events
 
     @property
     def pending(self) -> int:
         """Bytes received since the last complete event (an event still open, or comments)."""
         return self._pending
+
+
+_LINE_END = re.compile(rb"[\r\n]")
 
 
 def _payload(data: str) -> dict[str, Any]:

@@ -20,8 +20,9 @@ from typing import Any
 import httpx
 import pandas as pd
 
-from labkit.experiments.rawreader import Leave, read_stream
-from labkit.experiments.records import StreamResult
+from labkit.experiments.rawhttp import Leave, raw_stream
+from labkit.experiments.records import ReadOptions, StreamResult
+from labkit.experiments.waiting import WaitTimeout, await_for
 
 __all__ = [
     "Pace",
@@ -47,6 +48,18 @@ class Pace:
     @property
     def slow(self) -> bool:
         return self.sleep > 0
+
+    @property
+    def options(self) -> ReadOptions:
+        """The raw reader's options: this pace; at ``leave_after_s`` or when told, leave by RST."""
+        return ReadOptions(
+            sleep=self.sleep,
+            read_bytes=self.read_bytes,
+            leave_after_s=self.leave_after_s,
+            leave_by="rst",
+            drain_after_fin_s=0.5,
+            timeout=max(300.0, self.leave_after_s),
+        )
 
 
 @dataclass
@@ -78,24 +91,14 @@ async def launch(
 
     def start(index: range) -> list[asyncio.Future]:
         return [
-            asyncio.ensure_future(
-                read_stream(
-                    url,
-                    requests[i],
-                    sleep=paces[i].sleep,
-                    read_bytes=paces[i].read_bytes,
-                    leave_after_s=paces[i].leave_after_s,
-                    leave=flags[i],
-                    result=results[i],
-                )
-            )
+            asyncio.ensure_future(raw_stream(url, requests[i], paces[i].options, leave=flags[i], result=results[i]))
             for i in index
         ]
 
     t0 = time.perf_counter()
     early, rest = start(range(first)), []
     try:
-        await _until(lambda: all(r.tokens or r.ended for r in results[:first]), timeout=120.0)
+        await _until(lambda: all(r.tokens or r.ended for r in results[:first]), 120.0, "the first readers' tokens")
         if rest_after is not None:
             await rest_after(results)
         rest = start(range(first, len(requests)))
@@ -120,10 +123,10 @@ async def launch(
     return Launch(results, sampler.table(t0) if sampler else pd.DataFrame(), t0)
 
 
-async def _until(condition: Any, timeout: float, poll: float = 0.005) -> None:
-    deadline = time.perf_counter() + timeout
-    while not condition() and time.perf_counter() < deadline:
-        await asyncio.sleep(poll)
+async def _until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Until ``condition()``; at ``timeout`` the launch goes on with what it has (no error)."""
+    with contextlib.suppress(WaitTimeout):
+        await await_for(condition, timeout=timeout, what=what, interval=0.005)
 
 
 def read_rate(result: StreamResult) -> float:
@@ -141,20 +144,23 @@ def read_rate(result: StreamResult) -> float:
 async def records(url: str, rids: Sequence[str | None], timeout: float = 60.0) -> list[dict[str, Any] | None]:
     """The hub's records of ``rids`` (``GET /lab/streams/{id}``) once each shows its sequence left
     the engine (``released``), or whatever they show at ``timeout``."""
-    deadline = time.perf_counter() + timeout
+    seen: list[list[dict[str, Any] | None]] = []
     async with httpx.AsyncClient(base_url=url, timeout=10.0) as client:
-        while True:
-            got = [await _record(client, rid) for rid in rids]
-            if all(r is None or r.get("released") is not None for r in got) or time.perf_counter() > deadline:
-                return got
-            await asyncio.sleep(0.02)
+
+        async def all_released() -> bool:
+            seen.append([await _record(client, rid) for rid in rids])
+            return all(r is None or r.get("released") is not None for r in seen[-1])
+
+        with contextlib.suppress(WaitTimeout):  # at the bound: whatever the records show
+            await await_for(all_released, timeout=timeout, what="every record released")
+    return seen[-1]
 
 
 def released(url: str, timeout: float = 120.0) -> Callable[[list[StreamResult]], Awaitable[None]]:
     """For :func:`launch`'s ``until``: wait until every reader's sequence has left the engine."""
 
     async def wait(results: list[StreamResult]) -> None:
-        await _until(lambda: all(r.request_id or r.ended for r in results), timeout)
+        await _until(lambda: all(r.request_id or r.ended for r in results), timeout, "every reader's request id")
         await records(url, [r.request_id for r in results], timeout)
 
     return wait
@@ -165,12 +171,13 @@ def paused(url: str, count: int, timeout: float = 30.0) -> Callable[[list[Stream
     (``GET /stats``), or ``timeout``."""
 
     async def wait(results: list[StreamResult]) -> None:
-        deadline = time.perf_counter() + timeout
         async with httpx.AsyncClient(base_url=url, timeout=10.0) as client:
-            while time.perf_counter() < deadline:
-                if (await client.get("/stats")).json()["paused"] >= count:
-                    return
-                await asyncio.sleep(0.02)
+
+            async def enough() -> bool:
+                return (await client.get("/stats")).json()["paused"] >= count
+
+            with contextlib.suppress(WaitTimeout):  # at the bound the rest start anyway
+                await await_for(enough, timeout=timeout, what=f"{count} paused streams")
 
     return wait
 

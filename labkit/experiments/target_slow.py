@@ -27,7 +27,7 @@ import pandas as pd
 from labkit.experiments.client import ReadOptions, StreamResult, run_sync, timed_stream
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
-from labkit.experiments.rawreader import Leave, read_stream
+from labkit.experiments.rawhttp import Leave, raw_stream
 from labkit.experiments.readings import interleaved
 from labkit.experiments.target import Target, read
 from labkit.prompts import PROMPTS
@@ -101,15 +101,21 @@ async def _write_rate(target: Target, config: SlowConfig) -> float:
 
 async def _round(target: Target, config: SlowConfig, k: int, sleep: float, write_rate: float) -> dict[str, Any]:
     leave = Leave()
+    bound = target.timeout + 600
+    slow_options = ReadOptions(
+        sleep=sleep,
+        read_bytes=config.read_bytes,
+        leave_after_s=bound,
+        leave_by="fin",
+        drain_after_fin_s=0.5,
+        timeout=bound,
+    )
     slow = [
         asyncio.ensure_future(
-            read_stream(
+            raw_stream(
                 target.url,
                 _body(target, config.healthy + i, config),
-                sleep=sleep,
-                read_bytes=config.read_bytes,
-                leave_after_s=target.timeout + 600,
-                leave_by="fin",
+                slow_options,
                 leave=leave,
                 path=target.path,
                 headers=target.headers,

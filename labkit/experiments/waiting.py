@@ -42,8 +42,12 @@ def wait_for(check: Callable[[], T], *, timeout: float, what: str, interval: flo
 
 @overload
 async def await_for(check: Callable[[], Awaitable[T]], *, timeout: float, what: str, interval: float = ...) -> T: ...
+
+
 @overload
 async def await_for(check: Callable[[], T], *, timeout: float, what: str, interval: float = ...) -> T: ...
+
+
 async def await_for(check: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.02) -> Any:
     """:func:`wait_for` on an event loop: ``check`` may be a plain function or a coroutine
     function; the loop keeps running between polls."""
