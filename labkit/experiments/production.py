@@ -422,8 +422,11 @@ def keepalive_row(pings: str, interval: float, rep: int, config: Config, seen: P
 
 
 def _wait_idle(server: Any, timeout: float) -> None:
+    """Until ``GET /stats`` says nothing runs, waits or is paused (read on the server's loop, not
+    from the engine in this thread)."""
+
     def idle() -> bool:
-        stats = server.engine.stats()
+        stats = httpx.get(f"{server.url}/stats", timeout=10.0).json()
         return stats["running"] == 0 and stats["waiting"] == 0 and stats.get("paused", 0) == 0
 
     wait_for(idle, timeout=timeout, what="the server's engine to go idle after a keep-alive probe", interval=0.01)
