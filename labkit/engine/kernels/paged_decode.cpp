@@ -15,14 +15,14 @@
 // vectorizes the lane loop) summed in a fixed order at the end.
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
-#include <vector>
 
 namespace {
 
 constexpr int LANES = 16;
 
-inline float dot(const float* a, const float* b, int dim) {
+inline float dot(const float* __restrict__ a, const float* __restrict__ b, int dim) {
     float acc[LANES] = {0};
     int j = 0;
     for (; j + LANES <= dim; j += LANES)
@@ -34,37 +34,69 @@ inline float dot(const float* a, const float* b, int dim) {
     return acc[0] + tail;
 }
 
-inline void axpy(float* y, float a, const float* x, int dim) {
+inline void axpy(float* __restrict__ y, float a, const float* __restrict__ x, int dim) {
     for (int j = 0; j < dim; ++j) y[j] += a * x[j];
 }
 
+// exp(x) for x <= 0 (scores minus their maximum), Cephes' expf polynomial, written so the compiler
+// vectorizes a loop of it (std::exp is a scalar libm call): n = round(x / ln 2), r = x - n ln 2,
+// exp(r) by a degree-6 polynomial, times 2^n through the exponent bits. Relative error ~1e-7.
+inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return p * scale;
+}
+
+// Each head's scores start on a 64-byte boundary, in every thread's buffer alike, so no loop over
+// them is split differently (peeled for alignment) in one thread than in another.
+constexpr int64_t ALIGN_FLOATS = 16;
+inline int64_t score_row(int length) { return (length + ALIGN_FLOATS - 1) / ALIGN_FLOATS * ALIGN_FLOATS; }
+
+// One (row, kv head): every query head of the group against the row's first `length` positions.
+// Pass 1 scores each position (its key read once for all the group's heads), pass 2 turns each
+// head's scores into probabilities, pass 3 sums the values weighted by them (each value read once).
 void attend_one(const float* q, const float* keys, const float* values, const int32_t* table, int length,
                 int group, int dim, int block_size, int64_t block_stride, float scale, float* scores, float* out,
                 int64_t q_head_stride, int64_t out_head_stride) {
+    const int64_t row = score_row(length);
+    const int blocks = (length + block_size - 1) / block_size;
+    for (int b = 0; b < blocks; ++b) {
+        const float* base = keys + table[b] * block_stride;
+        const int first = b * block_size, n = length - first < block_size ? length - first : block_size;
+        for (int i = 0; i < n; ++i)
+            for (int g = 0; g < group; ++g)
+                scores[g * row + first + i] =
+                    dot(q + g * q_head_stride, base + static_cast<int64_t>(i) * dim, dim) * scale;
+    }
     for (int g = 0; g < group; ++g) {
-        const float* qg = q + g * q_head_stride;
-        float* sg = scores + static_cast<int64_t>(g) * length;
+        float* sg = scores + g * row;
         float best = -INFINITY;
-        for (int p = 0; p < length; ++p) {
-            const float* k = keys + table[p / block_size] * block_stride + static_cast<int64_t>(p % block_size) * dim;
-            float s = dot(qg, k, dim) * scale;
-            sg[p] = s;
-            best = s > best ? s : best;
-        }
+        for (int p = 0; p < length; ++p) best = sg[p] > best ? sg[p] : best;
+        for (int p = 0; p < length; ++p) sg[p] = exp_nonpositive(sg[p] - best);
         float total = 0.0f;
-        for (int p = 0; p < length; ++p) {
-            float e = std::exp(sg[p] - best);
-            sg[p] = e;
-            total += e;
-        }
-        float* og = out + g * out_head_stride;
-        std::memset(og, 0, sizeof(float) * dim);
-        for (int p = 0; p < length; ++p) {
-            const float* v = values + table[p / block_size] * block_stride + static_cast<int64_t>(p % block_size) * dim;
-            axpy(og, sg[p], v, dim);
-        }
-        float inv = 1.0f / total;
-        for (int j = 0; j < dim; ++j) og[j] *= inv;
+        for (int p = 0; p < length; ++p) total += sg[p];
+        const float inv = 1.0f / total;
+        for (int p = 0; p < length; ++p) sg[p] *= inv;
+        std::memset(out + g * out_head_stride, 0, sizeof(float) * dim);
+    }
+    for (int b = 0; b < blocks; ++b) {
+        const float* base = values + table[b] * block_stride;
+        const int first = b * block_size, n = length - first < block_size ? length - first : block_size;
+        for (int i = 0; i < n; ++i)
+            for (int g = 0; g < group; ++g)
+                axpy(out + g * out_head_stride, scores[g * row + first + i],
+                     base + static_cast<int64_t>(i) * dim, dim);
     }
 }
 
@@ -82,7 +114,8 @@ extern "C" int labkit_paged_decode(const float* q, const float* pool, const int3
     const int tasks = rows * kv_heads;
 #pragma omp parallel num_threads(threads)
     {
-        std::vector<float> scores(static_cast<size_t>(group) * (max_length > 0 ? max_length : 1));
+        const size_t floats = static_cast<size_t>(group) * score_row(max_length > 0 ? max_length : 1);
+        float* scores = static_cast<float*>(std::aligned_alloc(64, floats * sizeof(float)));
 #pragma omp for schedule(static)
         for (int t = 0; t < tasks; ++t) {
             const int row = t / kv_heads, h = t % kv_heads;
@@ -90,8 +123,9 @@ extern "C" int labkit_paged_decode(const float* q, const float* pool, const int3
             const int64_t out_off = (static_cast<int64_t>(row) * heads + static_cast<int64_t>(h) * group) * dim;
             attend_one(q + q_off, pool + h * head_stride, pool + half + h * head_stride,
                        tables + static_cast<int64_t>(row) * table_width, lengths[row], group, dim, block_size,
-                       block_stride, scale, scores.data(), out + out_off, q_head_stride, dim);
+                       block_stride, scale, scores, out + out_off, q_head_stride, dim);
         }
+        std::free(scores);
     }
     return 0;
 }
