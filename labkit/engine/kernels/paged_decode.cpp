@@ -21,6 +21,7 @@
 namespace {
 
 constexpr int LANES = 16;
+constexpr double PARALLEL_WORK = 1 << 18;  // multiply-adds of q.k per step below which one thread runs it
 
 inline float dot(const float* __restrict__ a, const float* __restrict__ b, int dim) {
     float acc[LANES] = {0};
@@ -112,11 +113,17 @@ extern "C" int labkit_paged_decode(const float* q, const float* pool, const int3
     const int64_t head_stride = static_cast<int64_t>(num_blocks) * block_stride;  // one kv head's blocks
     const int64_t half = static_cast<int64_t>(kv_heads) * head_stride;             // keys | values
     const int tasks = rows * kv_heads;
+    // Threads only when there is enough work to pay for waking them (like torch's grain size):
+    // a small step would otherwise wait at the closing barrier for a thread the OS has parked.
+    // Tasks are handed out one at a time (dynamic), so a thread that is descheduled holds up at
+    // most its own task. Which thread runs a task never changes its result.
+    const double work = static_cast<double>(rows) * heads * max_length * dim;
+    if (work < PARALLEL_WORK) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
         const size_t floats = static_cast<size_t>(group) * score_row(max_length > 0 ? max_length : 1);
         float* scores = static_cast<float*>(std::aligned_alloc(64, floats * sizeof(float)));
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < tasks; ++t) {
             const int row = t / kv_heads, h = t % kv_heads;
             const int64_t q_off = row * q_row_stride + static_cast<int64_t>(h) * group * q_head_stride;
