@@ -49,28 +49,39 @@ def kernel_status() -> AttentionChoice:
     return choose_attention("auto", torch.device("cpu"), torch.float32)
 
 
-def measure_attention(
-    cfg: AttentionBench = AttentionBench(),
-    loaded: LoadedModel | None = None,
-    progress: Callable[[dict], None] | None = None,
-) -> pd.DataFrame:
-    """One row per measurement: rep, context, batch, mode, attention_ms, step_ms, copied_MiB.
-
-    Only the gather is measured where the kernel cannot be built (see ``kernel_status``).
-    """
-    loaded = loaded or load_model(cfg.model)
-    modes = MODES if kernel_status().mode == "kernel" else ("gather",)
-    bs = cfg.block_size
-    per_seq = {ctx: -(-(ctx + 1) // bs) for ctx in cfg.contexts}
+def bench_runner(cfg: AttentionBench, loaded: LoadedModel, min_blocks: int = 0) -> ModelRunner:
+    """A runner whose pool holds every cell's tables at once (the largest batch at the longest
+    context), and at least ``min_blocks`` blocks."""
+    per_seq = -(-(max(cfg.contexts) + 1) // cfg.block_size)
     runner = ModelRunner(
         loaded,
-        num_blocks=max(cfg.batches) * max(per_seq.values()),
-        block_size=bs,
+        num_blocks=max(max(cfg.batches) * per_seq, min_blocks),
+        block_size=cfg.block_size,
         batch_invariant=cfg.batch_invariant,
         attention="gather",
     )
     if max(cfg.contexts) >= runner.max_positions:
         raise ValueError(f"context {max(cfg.contexts)} leaves no room in the model's {runner.max_positions} positions")
+    return runner
+
+
+def measure_attention(
+    cfg: AttentionBench = AttentionBench(),
+    loaded: LoadedModel | None = None,
+    progress: Callable[[dict], None] | None = None,
+    runner: ModelRunner | None = None,
+) -> pd.DataFrame:
+    """One row per measurement: rep, context, batch, mode, attention_ms, step_ms, copied_MiB.
+
+    Only the gather is measured where the kernel cannot be built (see ``kernel_status``).
+    ``runner`` (from ``bench_runner``) may be passed in to be shared; its pool is overwritten
+    with random numbers and its attention mode is left as the last cell set it.
+    """
+    modes = MODES if kernel_status().mode == "kernel" else ("gather",)
+    bs = cfg.block_size
+    per_seq = {ctx: -(-(ctx + 1) // bs) for ctx in cfg.contexts}
+    if runner is None:
+        runner = bench_runner(cfg, loaded or load_model(cfg.model))
     runner.pool.kv.normal_(generator=torch.Generator().manual_seed(cfg.seed))
     shape = runner.network.shape
     gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -189,6 +200,7 @@ def bench_attention(cfg: AttentionBench = AttentionBench(), loaded: LoadedModel 
 
 __all__ = [
     "AttentionBench",
+    "bench_runner",
     "bench_attention",
     "kernel_status",
     "measure_attention",

@@ -245,3 +245,47 @@ def _engine_tokens(engine: BatchEngine) -> dict[str, list[int]]:
                 out[event.rid].append(event.token_id)
     assert all(len(tokens) == 6 for tokens in out.values())
     return {str(i): out[rid] for i, rid in enumerate(rids)}
+
+
+# -- the bench and the notebook's experiment -------------------------------------------------
+def test_bench_measures_both_modes_in_every_cell_and_counts_the_copy(tiny_llama: LoadedModel) -> None:
+    from labkit.bench_attention import AttentionBench, measure_attention, printable, summarize
+
+    cfg = AttentionBench(model="tiny-llama", batches=(1, 4), contexts=(16, 100), reps=2, steps=1)
+    samples = measure_attention(cfg, tiny_llama)
+    assert len(samples) == 2 * 2 * 2 * 2  # reps x contexts x batches x modes
+    # interleaved: every repetition visits every cell, and within a cell the modes take turns
+    assert list(samples["mode"][:2]) == ["gather", "kernel"] and samples["rep"].is_monotonic_increasing
+    gather = samples[samples["mode"] == "gather"]
+    assert (samples.loc[samples["mode"] == "kernel", "copied_MiB"] == 0).all() and (gather.copied_MiB > 0).all()
+    copied = gather.groupby(["context", "batch"]).copied_MiB.first()
+    assert copied[100, 4] > copied[16, 4] and copied[100, 4] > copied[100, 1], "the copy grows with context and batch"
+    table = summarize(samples)
+    assert list(zip(table.context, table.batch)) == [(16, 1), (16, 4), (100, 1), (100, 4)] and (table.n == 2).all()
+    assert (table.step_gather_ms_min <= table.step_gather_ms_median).all()
+    assert "(" in printable(table)["step kernel ms"].iloc[0]
+
+
+def test_the_experiment_reports_identity_and_judges_the_hypotheses(tiny_gpt2: LoadedModel) -> None:
+    from labkit.experiments import paged
+
+    cfg = paged.Config(model="tiny-gpt2", batches=(1, 4), contexts=(16, 64), repetitions=1, steps=1,
+                       identity_streams=2, identity_tokens=3)
+    tables = paged.run(cfg)
+    assert paged.report(tables).splitlines() == [
+        "greedy streams, kernel vs gather: identical",
+        "decode logits, solo vs batched (kernel): identical",
+    ]
+    verdicts = paged.verdicts(tables)
+    assert [v.name for v in verdicts] == ["kernel_step_is_cheaper", "kernel_attention_is_cheaper"]
+    assert all("context 64" in v.evidence for v in verdicts)
+    assert "4 sequences" in paged.findings(tables)
+    assert len(paged.plot(tables)) == 1
+
+
+def test_the_cli_prints_the_attention_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from labkit.cli import main
+
+    main(["bench", "attention", "--model", "tiny-gpt2", "--contexts", "16", "--batches", "1,2", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert "step kernel/gather" in out and "attention gather ms" in out

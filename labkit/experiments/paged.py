@@ -6,8 +6,8 @@ tensor per layer and step (the gather), then run batched matmuls over the copy. 
 This module measures both on one runner (same weights, pool and scattered tables; see
 ``labkit.bench_attention``): decode attention alone and the whole decode step, per context and
 batch, the two modes and every cell interleaved over the repetitions. It also checks that the
-kernel changes no token: greedy streams through the engine in both modes, and a row's logits
-alone against the same row in a batch.
+kernel changes no token: greedy streams in both modes, and a row's logits alone against the same
+row in a batch (on the same runner, before the timings).
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ from typing import Any
 import pandas as pd
 import torch
 
-from labkit.bench_attention import AttentionBench, kernel_status, measure_attention, summarize
-from labkit.engine.config import EngineConfig
-from labkit.engine.engine import BatchEngine
-from labkit.engine.events import TokenEvent
+from labkit.bench_attention import AttentionBench, bench_runner, kernel_status, measure_attention, summarize
+from labkit.engine.attention import AttentionChoice
 from labkit.engine.runner import ModelRunner
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
@@ -32,6 +30,7 @@ from labkit.prompts import PROMPTS
 
 NAME = "paged"
 BIG = 32  # the batch the hypothesis is about
+_SOLO_LENGTHS = [1, 17, 63, 64, 65, 100, 130, 200]  # cached tokens of the solo-vs-batched rows
 
 
 @dataclass(frozen=True)
@@ -56,11 +55,12 @@ def units(config: Config) -> int:
     return config.repetitions * len(config.contexts) * len(config.batches) * 2 + 1
 
 
-def run(config: Config, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
+def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
     """``samples`` (one row per measurement), ``summary`` (per context and batch: medians,
     min–max, n, kernel / gather), ``identity`` (kernel against gather, solo against batched) and
-    ``kernel`` (whether it ran here, and why)."""
-    loaded = loaded_model(None, config.model)
+    ``kernel`` (whether it ran here, and why). No server is needed: it drives a runner directly
+    (a ``server`` given only lends its model)."""
+    loaded = loaded_model(server, config.model)
     status = kernel_status()
     rows: list[dict[str, Any]] = []
 
@@ -76,10 +76,15 @@ def run(config: Config, progress: Progress | None = None) -> dict[str, pd.DataFr
         reps=config.repetitions,
         steps=config.steps,
     )
-    samples = measure_attention(bench, loaded, progress=kept)
+    prompts = [list(loaded.tokenizer.encode(PROMPTS[i % len(PROMPTS)])) for i in range(config.identity_streams)]
+    per = -(-(max(map(len, prompts)) + config.identity_tokens) // bench.block_size)
+    # one runner (its start-up probe is slow) for everything below, with room for the identity checks
+    solo = len(_SOLO_LENGTHS) * -(-(max(_SOLO_LENGTHS) + 1) // bench.block_size)
+    runner = bench_runner(bench, loaded, min_blocks=max(per * len(prompts), solo))
     doing(progress, "identity: kernel against gather, solo against batched")
-    identity = _identity(loaded, config) if status.mode == "kernel" else pd.DataFrame()
+    identity = _identity(runner, prompts, config) if status.mode == "kernel" else pd.DataFrame()
     tick(progress)
+    samples = measure_attention(bench, progress=kept, runner=runner)
     return {
         "samples": samples,
         "summary": summarize(samples),
@@ -88,13 +93,22 @@ def run(config: Config, progress: Progress | None = None) -> dict[str, pd.DataFr
     }
 
 
-def _identity(loaded: Any, config: Config) -> pd.DataFrame:
-    """Greedy streams through the engine with each attention; and one row's decode logits alone
-    against the same row among neighbours of other lengths, with the kernel."""
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(config.identity_streams)]
-    streams = {mode: _greedy(loaded, prompts, config.identity_tokens, mode) for mode in ("kernel", "gather")}
+@torch.inference_mode()
+def _identity(runner: ModelRunner, prompts: list[list[int]], config: Config) -> pd.DataFrame:
+    """Greedy streams with each attention, and one row's decode logits alone against the same
+    row among neighbours of other lengths, with the kernel (the runner's pool is scratch here)."""
+    rng = random.Random(0)
+    bs, blocks = runner.block_size, runner.pool.num_blocks
+    per = -(-(max(map(len, prompts)) + config.identity_tokens) // bs)
+    ids = rng.sample(range(blocks), per * len(prompts))
+    tables = [ids[i * per : (i + 1) * per] for i in range(len(prompts))]
+    streams = {}
+    for mode in ("kernel", "gather"):
+        runner.attention = AttentionChoice(mode, "identity check")
+        streams[mode] = _greedy(runner, prompts, tables, config.identity_tokens)
     same = sum(a == b for a, b in zip(streams["kernel"], streams["gather"]))
-    solo_same, batches = _solo_vs_batched(loaded)
+    runner.attention = AttentionChoice("kernel", "identity check")
+    solo_same, batches = _solo_vs_batched(runner, rng)
     return pd.DataFrame(
         [
             {
@@ -113,29 +127,22 @@ def _identity(loaded: Any, config: Config) -> pd.DataFrame:
     )
 
 
-def _greedy(loaded: Any, prompts: list[str], tokens: int, attention: str) -> list[list[int]]:
-    engine = BatchEngine(
-        loaded, EngineConfig(max_batch=len(prompts), attention=attention, num_blocks=64 * len(prompts))
-    )
-    rids = [engine.submit(p, max_new_tokens=tokens, ignore_eos=True) for p in prompts]
-    out: dict[str, list[int]] = {rid: [] for rid in rids}
-    for _ in range(10 * tokens + 10):
-        if not engine.has_work():
-            break
-        for event in engine.step():
-            if isinstance(event, TokenEvent):
-                out[event.rid].append(event.token_id)
-    return [out[rid] for rid in rids]
+def _greedy(runner: ModelRunner, prompts: list[list[int]], tables: list[list[int]], tokens: int) -> list[list[int]]:
+    """Greedy continuations of every prompt, decoded together (no eos stop: same length each)."""
+    out = [[int(runner.prefill(p, t).argmax())] for p, t in zip(prompts, tables)]
+    for _ in range(tokens - 1):
+        positions = [len(p) + len(o) - 1 for p, o in zip(prompts, out)]
+        logits = runner.decode([o[-1] for o in out], positions, tables)
+        for o, row in zip(out, logits):
+            o.append(int(row.argmax()))
+    return out
 
 
-@torch.inference_mode()
-def _solo_vs_batched(loaded: Any) -> tuple[int, int]:
+def _solo_vs_batched(runner: ModelRunner, rng: random.Random) -> tuple[int, int]:
     """(batches in which the target row's logits equal its solo ones bitwise, batches tried)."""
-    rng = random.Random(0)
-    lengths = [1, 17, 63, 64, 65, 100, 130, 200]
-    per = -(-201 // 16)
-    runner = ModelRunner(loaded, num_blocks=per * len(lengths), block_size=16, attention="kernel")
-    ids = rng.sample(range(per * len(lengths)), per * len(lengths))
+    lengths = _SOLO_LENGTHS
+    per = -(-(max(lengths) + 1) // runner.block_size)
+    ids = rng.sample(range(runner.pool.num_blocks), per * len(lengths))
     tables = [ids[i * per : (i + 1) * per] for i in range(len(lengths))]
     nexts = [
         int(runner.prefill([rng.randrange(50, 1000) for _ in range(n)], t).argmax()) for n, t in zip(lengths, tables)
