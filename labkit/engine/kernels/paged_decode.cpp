@@ -23,7 +23,11 @@ namespace {
 constexpr int LANES = 16;
 constexpr double PARALLEL_WORK = 1 << 18;  // multiply-adds of q.k per step below which one thread runs it
 
-inline float dot(const float* __restrict__ a, const float* __restrict__ b, int dim) {
+// D > 0: the head size known at compile time (loops unrolled, accumulators in registers);
+// D == 0: any head size, read at run time. Which one runs depends only on the model's head size.
+template <int D>
+inline float dot(const float* __restrict__ a, const float* __restrict__ b, int dim_arg) {
+    const int dim = D > 0 ? D : dim_arg;
     float acc[LANES] = {0};
     int j = 0;
     for (; j + LANES <= dim; j += LANES)
@@ -35,8 +39,22 @@ inline float dot(const float* __restrict__ a, const float* __restrict__ b, int d
     return acc[0] + tail;
 }
 
-inline void axpy(float* __restrict__ y, float a, const float* __restrict__ x, int dim) {
-    for (int j = 0; j < dim; ++j) y[j] += a * x[j];
+// y += sum over i < n of w[i] * x[i * D ...]: one output row of a block's weighted values, added in
+// position order (the same order for every head size; with D known, y stays in registers).
+template <int D>
+inline void weighted_rows(float* __restrict__ y, const float* __restrict__ w, const float* __restrict__ x, int n,
+                          int dim_arg) {
+    const int dim = D > 0 ? D : dim_arg;
+    if constexpr (D > 0) {
+        float acc[D];
+        for (int j = 0; j < D; ++j) acc[j] = y[j];
+        for (int i = 0; i < n; ++i)
+            for (int j = 0; j < D; ++j) acc[j] += w[i] * x[static_cast<int64_t>(i) * D + j];
+        for (int j = 0; j < D; ++j) y[j] = acc[j];
+    } else {
+        for (int i = 0; i < n; ++i)
+            for (int j = 0; j < dim; ++j) y[j] += w[i] * x[static_cast<int64_t>(i) * dim + j];
+    }
 }
 
 // exp(x) for x <= 0 (scores minus their maximum), Cephes' expf polynomial, written so the compiler
@@ -65,20 +83,24 @@ constexpr int64_t ALIGN_FLOATS = 16;
 inline int64_t score_row(int length) { return (length + ALIGN_FLOATS - 1) / ALIGN_FLOATS * ALIGN_FLOATS; }
 
 // One (row, kv head): every query head of the group against the row's first `length` positions.
-// Pass 1 scores each position (its key read once for all the group's heads), pass 2 turns each
-// head's scores into probabilities, pass 3 sums the values weighted by them (each value read once).
+// Pass 1 scores each position block by block, pass 2 turns each head's scores into
+// probabilities, pass 3 sums the values weighted by them. A block's keys or values (a few KiB)
+// stay in L1 while the group's heads pass over them.
+template <int D>
 void attend_one(const float* q, const float* keys, const float* values, const int32_t* table, int length,
-                int group, int dim, int block_size, int64_t block_stride, float scale, float* scores, float* out,
-                int64_t q_head_stride, int64_t out_head_stride) {
+                int group, int dim_arg, int block_size, int64_t block_stride, float scale, float* scores,
+                float* out, int64_t q_head_stride, int64_t out_head_stride) {
+    const int dim = D > 0 ? D : dim_arg;
     const int64_t row = score_row(length);
     const int blocks = (length + block_size - 1) / block_size;
     for (int b = 0; b < blocks; ++b) {
         const float* base = keys + table[b] * block_stride;
         const int first = b * block_size, n = length - first < block_size ? length - first : block_size;
-        for (int i = 0; i < n; ++i)
-            for (int g = 0; g < group; ++g)
-                scores[g * row + first + i] =
-                    dot(q + g * q_head_stride, base + static_cast<int64_t>(i) * dim, dim) * scale;
+        for (int g = 0; g < group; ++g) {
+            const float* qg = q + g * q_head_stride;
+            float* sg = scores + g * row + first;
+            for (int i = 0; i < n; ++i) sg[i] = dot<D>(qg, base + static_cast<int64_t>(i) * dim, dim) * scale;
+        }
     }
     for (int g = 0; g < group; ++g) {
         float* sg = scores + g * row;
@@ -94,10 +116,22 @@ void attend_one(const float* q, const float* keys, const float* values, const in
     for (int b = 0; b < blocks; ++b) {
         const float* base = values + table[b] * block_stride;
         const int first = b * block_size, n = length - first < block_size ? length - first : block_size;
-        for (int i = 0; i < n; ++i)
-            for (int g = 0; g < group; ++g)
-                axpy(out + g * out_head_stride, scores[g * row + first + i],
-                     base + static_cast<int64_t>(i) * dim, dim);
+        for (int g = 0; g < group; ++g) weighted_rows<D>(out + g * out_head_stride, scores + g * row + first, base, n, dim);
+    }
+}
+
+using AttendFn = void (*)(const float*, const float*, const float*, const int32_t*, int, int, int, int, int64_t, float,
+                          float*, float*, int64_t, int64_t);
+
+AttendFn attend_for(int dim) {
+    switch (dim) {
+        case 16: return attend_one<16>;
+        case 32: return attend_one<32>;
+        case 64: return attend_one<64>;
+        case 80: return attend_one<80>;
+        case 96: return attend_one<96>;
+        case 128: return attend_one<128>;
+        default: return attend_one<0>;
     }
 }
 
@@ -113,6 +147,7 @@ extern "C" int labkit_paged_decode(const float* q, const float* pool, const int3
     const int64_t head_stride = static_cast<int64_t>(num_blocks) * block_stride;  // one kv head's blocks
     const int64_t half = static_cast<int64_t>(kv_heads) * head_stride;             // keys | values
     const int tasks = rows * kv_heads;
+    const AttendFn attend = attend_for(dim);
     // Threads only when there is enough work to pay for waking them (like torch's grain size):
     // a small step would otherwise wait at the closing barrier for a thread the OS has parked.
     // Tasks are handed out one at a time (dynamic), so a thread that is descheduled holds up at
@@ -128,9 +163,9 @@ extern "C" int labkit_paged_decode(const float* q, const float* pool, const int3
             const int row = t / kv_heads, h = t % kv_heads;
             const int64_t q_off = row * q_row_stride + static_cast<int64_t>(h) * group * q_head_stride;
             const int64_t out_off = (static_cast<int64_t>(row) * heads + static_cast<int64_t>(h) * group) * dim;
-            attend_one(q + q_off, pool + h * head_stride, pool + half + h * head_stride,
+            attend(q + q_off, pool + h * head_stride, pool + half + h * head_stride,
                        tables + static_cast<int64_t>(row) * table_width, lengths[row], group, dim, block_size,
-                       block_stride, scale, scores, out + out_off, q_head_stride, dim);
+                   block_stride, scale, scores, out + out_off, q_head_stride, dim);
         }
         std::free(scores);
     }
