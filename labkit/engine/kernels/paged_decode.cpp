@@ -11,8 +11,10 @@
 // Each (row, kv_head) pair is one task; a task computes every query head of its group in a fixed
 // order that depends only on that row's length and the dimensions, never on the thread, the other
 // rows, or the number of rows. So a row's output is bitwise the same decoded alone or in a batch.
-// Dot products and the weighted sum of values use LANES independent accumulators (the compiler
-// vectorizes the lane loop) summed in a fixed order at the end.
+// Dot products use LANES independent accumulators (the compiler vectorizes the lane loop) summed
+// pairwise in a fixed order; the weighted sum of values adds positions in order, elementwise.
+// No -ffast-math: the compiler may not reorder a reduction, so the order written is the order run.
+// The softmax is two-pass over a per-task score buffer (max, then exp and sum), in float32.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
