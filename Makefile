@@ -66,8 +66,14 @@ clean-venv:
 
 # System programs some experiments start as child processes: nginx (the production
 # experiment's proxy). Installed from Debian when missing and we are root (as on CI); otherwise
-# say what is missing: those experiments' tests and cells then skip, saying why.
+# say what is missing: those experiments' tests and cells then skip, saying why. g++ builds the
+# engine's paged-decode kernel on first use; without it the engine falls back to the gather.
 system-deps:
+	@if command -v g++ >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++; } \
+			|| echo "apt-get could not install g++: the engine will use the gather path for decode attention"; \
+	else echo "g++ is missing and cannot be installed here (not root, or no apt-get): apt-get install g++"; fi
 	@if command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx; } \

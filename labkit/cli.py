@@ -44,12 +44,18 @@ def _add_bench(sub) -> None:
     from labkit.engine.config import _DTYPES as DTYPES  # the one list (light: no torch)
 
     p = sub.add_parser("bench", help="benchmarks: decode-step cost and generation throughput")
-    p.add_argument("what", choices=["step", "generate", "gather"])
+    p.add_argument("what", choices=["step", "generate", "gather", "attention"])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--batches", default="1,2,4,8,16,32", help="step: comma-separated batch sizes")
+    p.add_argument("--batches", default=None, help="step, attention: comma-separated batch sizes")
+    p.add_argument("--contexts", default="64,256,512", help="attention: comma-separated context lengths")
     p.add_argument("--context", type=int, default=64, help="step: tokens already in each sequence's cache")
-    p.add_argument("--rounds", type=int, default=1, help="step: measure every cell this many times, interleaved")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="step (1), attention (3): measure every cell this many times, interleaved",
+    )
     p.add_argument("--requests", type=int, default=32, help="generate: number of requests")
     p.add_argument("--new-tokens", type=int, default=64, help="generate: tokens per request")
     p.add_argument("--no-generate-batch", action="store_true", help="generate: skip transformers' generate_batch")
@@ -80,12 +86,23 @@ def _bench(args) -> None:
     if args.what == "step":
         step = bench.StepBench(
             model=args.model,
-            batches=tuple(int(b) for b in args.batches.split(",")),
+            batches=tuple(int(b) for b in (args.batches or "1,2,4,8,16,32").split(",")),
             context=args.context,
             dtype=args.dtype,
-            rounds=args.rounds,
+            rounds=args.rounds or 1,
         )
         table = bench.bench_step(step)
+    elif args.what == "attention":
+        from labkit import bench_attention as ba
+
+        table = ba.bench_attention(
+            ba.AttentionBench(
+                model=args.model,
+                batches=tuple(int(b) for b in (args.batches or "1,8,32").split(",")),
+                contexts=tuple(int(c) for c in args.contexts.split(",")),
+                reps=args.rounds or 3,
+            )
+        )
     elif args.what == "gather":
         table = bench.bench_gather(bench.GatherBench(model=args.model, dtype=args.dtype))
     else:
@@ -101,6 +118,8 @@ def _bench(args) -> None:
         table = bench.bench_generate(cfg)
     if args.save:
         _save_bench(args.what, table, before)
+    if args.what == "attention":
+        table = ba.printable(table)
     print(table.to_markdown(index=False, floatfmt=".2f") if _has_tabulate() else table.round(2).to_string(index=False))
 
 

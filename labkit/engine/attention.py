@@ -7,6 +7,13 @@ who else is in the batch. So each row attends over a width that depends on its o
 (rounded up to ``span`` positions, the extra masked out), and rows of equal width are batched
 together: what a row sees is the same tensor shape whether it is decoded alone or with 32 others.
 With ``invariant=False`` all rows share the widest width: one call, fewer kernels, not invariant.
+
+That path copies every row's K and V blocks into one contiguous tensor per layer and step (the
+gather). The paged kernel (``kernels/paged_decode.cpp``, ``attention="kernel"``) reads them
+straight from the pool through the block tables instead; it computes each (row, KV head) in a
+fixed order set by that row's own length, so it is batch-invariant by construction in both
+modes and needs no widths, groups or masks. ``choose_attention`` picks it when it can be built
+(CPU, float32) and says why not otherwise.
 """
 
 from __future__ import annotations
@@ -18,7 +25,123 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from labkit.engine.kernels import KernelUnavailable, paged_decode_kernel
+
 DEFAULT_SPAN = 64  # positions; widths are multiples of this (and of the block size)
+ATTENTION_MODES = ("auto", "kernel", "gather")
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """Which decode attention a runner uses, and why (``reason`` is shown in benches and logs)."""
+
+    mode: str  # "kernel" or "gather"
+    reason: str
+
+
+def choose_attention(requested: str, device: torch.device, dtype: torch.dtype) -> AttentionChoice:
+    """``"auto"``: the paged kernel where it applies and builds, the gather otherwise (with the
+    reason). ``"kernel"`` raises ValueError where it cannot be had; ``"gather"`` always works."""
+    if requested not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {requested!r}")
+    if requested == "gather":
+        return AttentionChoice("gather", "asked for")
+    why_not = None
+    if device.type != "cpu":
+        why_not = f"the paged kernel is CPU-only; device is {device}"
+    elif dtype != torch.float32:
+        why_not = f"the paged kernel is float32-only; dtype is {dtype}"
+    else:
+        try:
+            paged_decode_kernel()
+        except KernelUnavailable as err:
+            why_not = str(err)
+    if why_not is None:
+        return AttentionChoice("kernel", "compiled and loaded" if requested == "kernel" else "auto: kernel available")
+    if requested == "kernel":
+        raise ValueError(f"attention='kernel' is unavailable: {why_not}")
+    return AttentionChoice("gather", f"auto: {why_not}")
+
+
+@dataclass(frozen=True)
+class PagedTables:
+    """Each row's block table and length, checked once per step and shared by every layer."""
+
+    tables: Tensor  # (rows, width) int32 block ids, padded with 0 past each row's used blocks
+    lengths: Tensor  # (rows,) int32 positions each row attends over, >= 1
+    block_size: int
+    max_length: int
+    max_block: int  # the largest block id any row reads: checked against the pool's size
+
+    @classmethod
+    def build(cls, block_tables: Sequence[Sequence[int]], lengths: Sequence[int], block_size: int) -> PagedTables:
+        """Refuse what would make the kernel read outside the pool: ValueError, never a crash."""
+        if len(block_tables) != len(lengths) or not lengths:
+            raise ValueError(f"{len(block_tables)} block tables for {len(lengths)} lengths (need >= 1 row)")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        used = []
+        for row, (table, n) in enumerate(zip(block_tables, lengths)):
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"row {row}: length must be a positive int, got {n!r}")
+            need = -(-n // block_size)
+            if need > len(table):
+                raise ValueError(f"row {row}: length {n} needs {need} blocks, its table has {len(table)}")
+            blocks = [int(b) for b in table[:need]]
+            if min(blocks) < 0:
+                raise ValueError(f"row {row}: negative block id {min(blocks)} in its table")
+            used.append(blocks)
+        width = max(map(len, used))
+        padded = [blocks + [0] * (width - len(blocks)) for blocks in used]
+        return cls(
+            torch.tensor(padded, dtype=torch.int32),
+            torch.tensor(list(lengths), dtype=torch.int32),
+            block_size,
+            max(lengths),
+            max(max(blocks) for blocks in used),
+        )
+
+
+def paged_decode(q: Tensor, pool: Tensor, paged: PagedTables) -> Tensor:
+    """Decode attention read through the block tables: ``q`` (rows, heads, d) float32 on the CPU
+    (any row/head strides, d contiguous), ``pool`` one layer's (2, kv_heads, num_blocks,
+    block_size, d), contiguous. Returns (rows, heads * d)."""
+    rows, heads, dim = q.shape
+    _, kv_heads, num_blocks, block_size, pool_dim = pool.shape
+    if q.dtype != torch.float32 or pool.dtype != torch.float32 or q.device.type != "cpu" or pool.device.type != "cpu":
+        raise ValueError(f"paged_decode needs float32 CPU tensors, got q {q.dtype} {q.device}, pool {pool.dtype}")
+    if pool_dim != dim or heads % kv_heads or block_size != paged.block_size or rows != paged.lengths.shape[0]:
+        raise ValueError(
+            f"paged_decode: q {tuple(q.shape)}, pool {tuple(pool.shape)}, {paged.lengths.shape[0]} rows of "
+            f"block size {paged.block_size} do not fit together"
+        )
+    if paged.max_block >= num_blocks:
+        raise ValueError(f"paged_decode: block id {paged.max_block} is past the pool's {num_blocks} blocks")
+    if q.stride(2) != 1 or not pool.is_contiguous():
+        raise ValueError("paged_decode: q's last dimension and the pool must be contiguous")
+    out = torch.empty(rows, heads * dim, dtype=torch.float32)
+    status = paged_decode_kernel().function(
+        q.data_ptr(),
+        pool.data_ptr(),
+        paged.tables.data_ptr(),
+        paged.lengths.data_ptr(),
+        out.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        rows,
+        heads,
+        kv_heads,
+        dim,
+        num_blocks,
+        block_size,
+        paged.tables.shape[1],
+        paged.max_length,
+        dim**-0.5,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"paged_decode kernel refused its arguments (status {status})")
+    return out
 
 
 @dataclass
@@ -39,6 +162,7 @@ class DecodePlan:
     order: list[int]  # batch rows sorted by group: row i of the step is input row order[i]
     slots: Tensor  # (rows,) flat cache slot (block * block_size + offset) of each new K/V
     groups: list[Group]
+    paged: PagedTables | None = None  # set: the paged kernel reads the blocks (no groups, no gather)
 
     @property
     def inverse(self) -> list[int]:
@@ -66,8 +190,14 @@ def plan_decode(
     dtype: torch.dtype,
     device: torch.device,
     span: int = DEFAULT_SPAN,
+    kernel: bool = False,
 ) -> DecodePlan:
-    """Sort the rows by attention width, group equal widths, and list the blocks each reads."""
+    """Sort the rows by attention width, group equal widths, and list the blocks each reads;
+    with ``kernel``, keep the rows in order and hand the kernel their tables and lengths."""
+    if kernel:
+        paged = PagedTables.build(block_tables, [p + 1 for p in positions], block_size)
+        slots = [block_tables[r][p // block_size] * block_size + p % block_size for r, p in enumerate(positions)]
+        return DecodePlan(list(range(len(positions))), _long(slots, device), [], paged)
     widths = [attend_width(p + 1, block_size, span) for p in positions]
     if not invariant:
         widths = [max(widths)] * len(widths)
@@ -115,6 +245,8 @@ def decode_attention(q: Tensor, kv_cache: Tensor, plan: DecodePlan) -> Tensor:
     ``q`` is (rows, heads, d) in plan order; ``kv_cache`` is one layer's pool, keys then values,
     (2, kv_heads, num_blocks, block_size, d). Returns (rows, heads * d).
     """
+    if plan.paged is not None:
+        return paged_decode(q, kv_cache, plan.paged)
     outputs = [_attend_group(q[g.start : g.stop], kv_cache, g) for g in plan.groups]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_ATTENTION = ("auto", "kernel", "gather")  # attention.py ATTENTION_MODES (kept light: no torch import there)
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,9 @@ class EngineConfig:
     context fit. ``batch_invariant`` runs every decode matmul on row tiles of ``tile_rows`` so a
     row's numbers never depend on how many neighbours it has (see runner.py).
     ``max_waiting=None`` means no waiting limit. ``kv_cache_mb`` caps the default cache size.
+    ``attention``: how decode reads the cache: ``"kernel"`` through the block tables (paged
+    kernel), ``"gather"`` by a contiguous copy, ``"auto"`` the kernel where it builds (see
+    attention.py ``choose_attention``; the runner's ``attention.reason`` says which and why).
     """
 
     block_size: int = 16
@@ -28,6 +32,7 @@ class EngineConfig:
     batch_invariant: bool = True
     tile_rows: int = 8
     kv_cache_mb: int = 512
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -40,6 +45,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_waiting must be a non-negative int or None, got {self.max_waiting!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.attention not in _ATTENTION:
+            raise ValueError(f"EngineConfig.attention must be one of {_ATTENTION}, got {self.attention!r}")
         check_device(self.device)
 
 

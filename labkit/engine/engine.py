@@ -58,6 +58,7 @@ class BatchEngine:
             dtype=config.dtype,
             batch_invariant=config.batch_invariant,
             tile_rows=config.tile_rows,
+            attention=config.attention,
         )
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_batch)

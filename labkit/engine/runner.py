@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from labkit.engine.attention import DEFAULT_SPAN, decode_attention, plan_decode, prefill_attention
+from labkit.engine.attention import DEFAULT_SPAN, choose_attention, decode_attention, plan_decode, prefill_attention
 from labkit.engine.layers import Tiling, probe_chunk_rows
 from labkit.engine.networks import Network, build_network
 from labkit.models.loaded import LoadedModel
@@ -85,6 +85,7 @@ class ModelRunner:
         tile_rows: int = 8,
         chunk_rows: int = 32,
         max_prefill_tokens: int = 128,
+        attention: str = "auto",
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"ModelRunner dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
@@ -97,6 +98,7 @@ class ModelRunner:
         self.dtype = _DTYPES[dtype]
         self.network = build_network(loaded, self.dtype, self.device)
         self.pool = KVPool(self.network, num_blocks, block_size, self.dtype, self.device)
+        self.attention = choose_attention(attention, self.device, self.dtype)  # paged kernel or gather, and why
         self.block_size = block_size
         self.span = DEFAULT_SPAN
         self.max_prefill_tokens = max_prefill_tokens
@@ -217,6 +219,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             span=self.span,
+            kernel=self.attention.mode == "kernel",
         )
         rows = len(tokens)
         net, tile = self.network, self._tiling_now()

@@ -1,0 +1,118 @@
+"""Native kernels, compiled on first use with the machine's C++ compiler and cached.
+
+``paged_decode.cpp`` is plain C++ with OpenMP and no torch headers: it compiles in about a second
+with ``g++`` alone (no ninja, no Python headers) and is called through ``ctypes`` with the
+tensors' data pointers. OpenMP comes from the ``libgomp.so.1`` torch has already loaded, so the
+kernel's threads are torch's threads. The shared library lands in ``$XDG_CACHE_HOME/labkit/
+kernels`` (``~/.cache`` by default) under a name that hashes the source, the flags and the CPU,
+and is reused by every later process. When it cannot be built (no compiler, a compile error) the
+caller gets the reason and the engine falls back to the gather path (see ``attention.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("paged_decode.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_COMPILER_ENV = "LABKIT_CXX"  # which compiler to use; a path that does not exist forces the fallback
+
+
+class KernelUnavailable(RuntimeError):
+    """The native kernel could not be built or loaded on this machine (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """The loaded paged-decode entry point and where it came from."""
+
+    function: ctypes._CFuncPtr  # type: ignore[name-defined]
+    path: Path
+
+
+_lock = threading.Lock()
+_loaded: dict[str, Kernel | KernelUnavailable] = {}
+
+
+def compiler() -> str:
+    return os.environ.get(_COMPILER_ENV) or os.environ.get("CXX") or "g++"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "labkit" / "kernels"
+
+
+def paged_decode_kernel(cxx: str | None = None) -> Kernel:
+    """The compiled kernel, built once per machine and loaded once per process; raises
+    ``KernelUnavailable`` (with the compiler's reason) when it cannot be had."""
+    cxx = cxx or compiler()
+    with _lock:
+        if cxx not in _loaded:
+            try:
+                _loaded[cxx] = _load(cxx)
+            except KernelUnavailable as err:
+                _loaded[cxx] = err
+        found = _loaded[cxx]
+    if isinstance(found, KernelUnavailable):
+        raise found
+    return found
+
+
+def _load(cxx: str) -> Kernel:
+    exe = shutil.which(cxx)
+    if exe is None:
+        raise KernelUnavailable(f"no C++ compiler {cxx!r} on this machine (install g++, or set {_COMPILER_ENV})")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature() + exe.encode()).hexdigest()[:16]
+    target = cache_dir() / f"paged_decode-{key}.so"
+    if not target.exists():
+        _compile(exe, target)
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as err:
+        raise KernelUnavailable(f"built {target} but could not load it: {err}") from None
+    fn = lib.labkit_paged_decode
+    fn.restype = ctypes.c_int
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    fn.argtypes = [ptr] * 5 + [ctypes.c_int64] * 2 + [i32] * 8 + [ctypes.c_float, i32]
+    return Kernel(fn, target)
+
+
+def _compile(exe: str, target: Path) -> None:
+    """Build into a temporary file and rename it into place, so two processes building at once
+    never load a half-written library."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [exe, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300, check=False
+        )
+        if done.returncode != 0:
+            raise KernelUnavailable(f"{exe} failed to compile {SOURCE.name}: {done.stderr.strip()[-800:]}")
+        os.replace(tmp, target)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise KernelUnavailable(f"could not run {exe}: {err}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _cpu_signature() -> bytes:
+    """What ``-march=native`` depends on: a library built for one CPU may not run on another."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor().encode()
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines))).encode()

@@ -1,0 +1,175 @@
+// Paged decode attention on the CPU: one query per sequence against its cached keys and values,
+// read straight from the block pool through the sequence's block table (no gathered copy).
+//
+// Layout (float32, contiguous):
+//   q      (rows, heads, dim), rows and heads at any stride (q_row_stride, q_head_stride), dim contiguous
+//   pool   (2, kv_heads, num_blocks, block_size, dim)   keys at [0], values at [1]
+//   tables (rows, table_width) int32 block ids; only the first ceil(length / block_size) are read
+//   lengths(rows,) int32 cached positions each row attends over (>= 1)
+//   out    (rows, heads, dim)
+//
+// Each (row, kv_head) pair is one task; a task computes every query head of its group in a fixed
+// order that depends only on that row's length and the dimensions, never on the thread, the other
+// rows, or the number of rows. So a row's output is bitwise the same decoded alone or in a batch.
+// Dot products use LANES independent accumulators (the compiler vectorizes the lane loop) summed
+// pairwise in a fixed order; the weighted sum of values adds positions in order, elementwise.
+// No -ffast-math: the compiler may not reorder a reduction, so the order written is the order run.
+// The softmax is two-pass over a per-task score buffer (max, then exp and sum), in float32.
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+namespace {
+
+constexpr int LANES = 16;
+constexpr double PARALLEL_WORK = 1 << 18;  // multiply-adds of q.k per step below which one thread runs it
+
+// D > 0: the head size known at compile time (loops unrolled, accumulators in registers);
+// D == 0: any head size, read at run time. Which one runs depends only on the model's head size.
+template <int D>
+inline float dot(const float* __restrict__ a, const float* __restrict__ b, int dim_arg) {
+    const int dim = D > 0 ? D : dim_arg;
+    float acc[LANES] = {0};
+    int j = 0;
+    for (; j + LANES <= dim; j += LANES)
+        for (int l = 0; l < LANES; ++l) acc[l] += a[j + l] * b[j + l];
+    float tail = 0.0f;
+    for (; j < dim; ++j) tail += a[j] * b[j];
+    for (int w = LANES / 2; w >= 1; w /= 2)  // pairwise, fixed order
+        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+    return acc[0] + tail;
+}
+
+// y += sum over i < n of w[i] * x[i * D ...]: one output row of a block's weighted values, added in
+// position order (the same order for every head size; with D known, y stays in registers).
+template <int D>
+inline void weighted_rows(float* __restrict__ y, const float* __restrict__ w, const float* __restrict__ x, int n,
+                          int dim_arg) {
+    const int dim = D > 0 ? D : dim_arg;
+    if constexpr (D > 0) {
+        float acc[D];
+        for (int j = 0; j < D; ++j) acc[j] = y[j];
+        for (int i = 0; i < n; ++i)
+            for (int j = 0; j < D; ++j) acc[j] += w[i] * x[static_cast<int64_t>(i) * D + j];
+        for (int j = 0; j < D; ++j) y[j] = acc[j];
+    } else {
+        for (int i = 0; i < n; ++i)
+            for (int j = 0; j < dim; ++j) y[j] += w[i] * x[static_cast<int64_t>(i) * dim + j];
+    }
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), Cephes' expf polynomial, written so the compiler
+// vectorizes a loop of it (std::exp is a scalar libm call): n = round(x / ln 2), r = x - n ln 2,
+// exp(r) by a degree-6 polynomial, times 2^n through the exponent bits. Relative error ~1e-7.
+inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return p * scale;
+}
+
+// Each head's scores start on a 64-byte boundary, in every thread's buffer alike, so no loop over
+// them is split differently (peeled for alignment) in one thread than in another.
+constexpr int64_t ALIGN_FLOATS = 16;
+inline int64_t score_row(int length) { return (length + ALIGN_FLOATS - 1) / ALIGN_FLOATS * ALIGN_FLOATS; }
+
+// One (row, kv head): every query head of the group against the row's first `length` positions.
+// Pass 1 scores each position block by block, pass 2 turns each head's scores into
+// probabilities, pass 3 sums the values weighted by them. A block's keys or values (a few KiB)
+// stay in L1 while the group's heads pass over them.
+template <int D>
+void attend_one(const float* q, const float* keys, const float* values, const int32_t* table, int length,
+                int group, int dim_arg, int block_size, int64_t block_stride, float scale, float* scores,
+                float* out, int64_t q_head_stride, int64_t out_head_stride) {
+    const int dim = D > 0 ? D : dim_arg;
+    const int64_t row = score_row(length);
+    const int blocks = (length + block_size - 1) / block_size;
+    for (int b = 0; b < blocks; ++b) {
+        const float* base = keys + table[b] * block_stride;
+        const int first = b * block_size, n = length - first < block_size ? length - first : block_size;
+        for (int g = 0; g < group; ++g) {
+            const float* qg = q + g * q_head_stride;
+            float* sg = scores + g * row + first;
+            for (int i = 0; i < n; ++i) sg[i] = dot<D>(qg, base + static_cast<int64_t>(i) * dim, dim) * scale;
+        }
+    }
+    for (int g = 0; g < group; ++g) {
+        float* sg = scores + g * row;
+        float best = -INFINITY;
+        for (int p = 0; p < length; ++p) best = sg[p] > best ? sg[p] : best;
+        for (int p = 0; p < length; ++p) sg[p] = exp_nonpositive(sg[p] - best);
+        float total = 0.0f;
+        for (int p = 0; p < length; ++p) total += sg[p];
+        const float inv = 1.0f / total;
+        for (int p = 0; p < length; ++p) sg[p] *= inv;
+        std::memset(out + g * out_head_stride, 0, sizeof(float) * dim);
+    }
+    for (int b = 0; b < blocks; ++b) {
+        const float* base = values + table[b] * block_stride;
+        const int first = b * block_size, n = length - first < block_size ? length - first : block_size;
+        for (int g = 0; g < group; ++g) weighted_rows<D>(out + g * out_head_stride, scores + g * row + first, base, n, dim);
+    }
+}
+
+using AttendFn = void (*)(const float*, const float*, const float*, const int32_t*, int, int, int, int, int64_t, float,
+                          float*, float*, int64_t, int64_t);
+
+AttendFn attend_for(int dim) {
+    switch (dim) {
+        case 16: return attend_one<16>;
+        case 32: return attend_one<32>;
+        case 64: return attend_one<64>;
+        case 80: return attend_one<80>;
+        case 96: return attend_one<96>;
+        case 128: return attend_one<128>;
+        default: return attend_one<0>;
+    }
+}
+
+}  // namespace
+
+extern "C" int labkit_paged_decode(const float* q, const float* pool, const int32_t* tables, const int32_t* lengths,
+                                   float* out, int64_t q_row_stride, int64_t q_head_stride, int rows, int heads,
+                                   int kv_heads, int dim, int num_blocks, int block_size, int table_width,
+                                   int max_length, float scale, int threads) {
+    if (rows <= 0 || kv_heads <= 0 || heads % kv_heads != 0) return 1;
+    const int group = heads / kv_heads;
+    const int64_t block_stride = static_cast<int64_t>(block_size) * dim;
+    const int64_t head_stride = static_cast<int64_t>(num_blocks) * block_stride;  // one kv head's blocks
+    const int64_t half = static_cast<int64_t>(kv_heads) * head_stride;             // keys | values
+    const int tasks = rows * kv_heads;
+    const AttendFn attend = attend_for(dim);
+    // Threads only when there is enough work to pay for waking them (like torch's grain size):
+    // a small step would otherwise wait at the closing barrier for a thread the OS has parked.
+    // Tasks are handed out one at a time (dynamic), so a thread that is descheduled holds up at
+    // most its own task. Which thread runs a task never changes its result.
+    const double work = static_cast<double>(rows) * heads * max_length * dim;
+    if (work < PARALLEL_WORK) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        const size_t floats = static_cast<size_t>(group) * score_row(max_length > 0 ? max_length : 1);
+        float* scores = static_cast<float*>(std::aligned_alloc(64, floats * sizeof(float)));
+#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < tasks; ++t) {
+            const int row = t / kv_heads, h = t % kv_heads;
+            const int64_t q_off = row * q_row_stride + static_cast<int64_t>(h) * group * q_head_stride;
+            const int64_t out_off = (static_cast<int64_t>(row) * heads + static_cast<int64_t>(h) * group) * dim;
+            attend(q + q_off, pool + h * head_stride, pool + half + h * head_stride,
+                       tables + static_cast<int64_t>(row) * table_width, lengths[row], group, dim, block_size,
+                   block_stride, scale, scores, out + out_off, q_head_stride, dim);
+        }
+        std::free(scores);
+    }
+    return 0;
+}
