@@ -29,11 +29,12 @@ lab: system-deps $(STAMP)
 	$(PY) -m labkit.rerun --profile full
 	$(PY) -m labkit.readme
 
-# The README's two benchmark tables, each from one run on this machine (run it when quiet:
+# The README's three benchmark tables, each from one run on this machine (run it when quiet:
 # cat /proc/loadavg), saved under data/bench/ and rendered into README.md.
 bench: $(STAMP)
 	$(VENV)/bin/labkit bench step --model smollm2-135m --rounds 3 --threads 2 --save
 	$(VENV)/bin/labkit bench generate --model smollm2-135m --threads 2 --save
+	$(VENV)/bin/labkit bench attention --model smollm2-135m --threads 2 --save
 	$(PY) -m labkit.readme
 
 # The whole suite: unit and service tests, then every notebook under nbval with the small ci

@@ -86,10 +86,36 @@ def bench_generate(data: Path) -> str:
     return "\n".join(lines) + "\n" + _provenance(path)
 
 
+def bench_attention(data: Path) -> str:
+    """Gather against kernel per (context, batch): the copy per step, and the step and attention
+    times as median (min–max) over the interleaved repetitions."""
+    path = data / "bench" / "attention.csv"
+    t = pd.read_csv(path)
+
+    def cell(r: dict, what: str, mode: str) -> str:
+        m, lo, hi = (r[f"{what}_{mode}_ms_{s}"] for s in ("median", "min", "max"))
+        return f"{m:.1f} ({lo:.1f}–{hi:.1f})"
+
+    lines = [
+        "| context | B | gather copies, MiB/step | step, gather ms | step, kernel ms | kernel/gather (step) "
+        "| attention, gather ms | attention, kernel ms | kernel/gather (attention) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {int(r['context'])} | {int(r['batch'])} | {r['copied_MiB_per_step']:.1f} | {cell(r, 'step', 'gather')} "
+        f"| {cell(r, 'step', 'kernel')} | {r['step_kernel/gather']:.2f} | {cell(r, 'attention', 'gather')} "
+        f"| {cell(r, 'attention', 'kernel')} | {r['attention_kernel/gather']:.2f} |"
+        for r in t.to_dict("records")
+    ]
+    n = int(t["n"].min()) if len(t) else 0
+    return "\n".join(lines) + f"\n\n*Median (min–max) of {n} interleaved repetitions.*\n" + _provenance(path)
+
+
 RENDERERS: dict[str, Callable[[Path], str]] = {
     "durations": durations,
     "bench_step": bench_step,
     "bench_generate": bench_generate,
+    "bench_attention": bench_attention,
 }
 
 

@@ -32,3 +32,17 @@ def test_a_block_is_replaced_by_its_rendered_table_and_an_unknown_block_is_refus
     assert readme.render(missing, tmp_path) == missing  # no data file yet: left as it is
     with pytest.raises(ValueError, match="no renderer"):
         readme.render("<!-- data: nonsense -->\n<!-- /data -->", tmp_path)
+
+
+def test_the_attention_table_shows_each_cell_with_its_spread_and_the_ratios(tmp_path):
+    (tmp_path / "bench").mkdir()
+    row = {"context": 512, "batch": 32, "n": 3, "copied_MiB_per_step": 810.0}
+    for what, base in (("attention", 10.0), ("step", 100.0)):
+        for mode, factor in (("gather", 1.0), ("kernel", 0.5)):
+            for stat, k in (("median", 1.0), ("min", 0.9), ("max", 1.2)):
+                row[f"{what}_{mode}_ms_{stat}"] = base * factor * k
+        row[f"{what}_kernel/gather"] = 0.5
+    pd.DataFrame([row]).to_csv(tmp_path / "bench" / "attention.csv", index=False)
+    out = readme.render("<!-- data: bench_attention -->\n<!-- /data -->\n", tmp_path)
+    assert "| 512 | 32 | 810.0 | 100.0 (90.0–120.0) | 50.0 (45.0–60.0) | 0.50 |" in out
+    assert "3 interleaved repetitions" in out
