@@ -3,9 +3,8 @@
 ``step``: the median decode step with no prefill in it, for several batch sizes, in both modes
 (batch-invariant and plain), beside a bare transformers forward over the same batch and context
 and beside the step's floor: its matrix products alone (every layer's and the lm head's, same
-shapes, same weights, same threads), which is what a step cannot go below. ``gather``: what the paged decode's
-per-layer copy of each row's cached K and V into one contiguous tensor costs, as context and
-batch grow, beside the whole attention it feeds. ``generate``: many requests through the
+shapes, same weights, same threads), which is what a step cannot go below (the gather against the
+paged kernel is ``labkit bench attention``, in ``bench_attention.py``). ``generate``: many requests through the
 engine at once, against the same requests one after another, and against transformers' own
 continuous batching (``generate_batch``), once with a cache sized to the work (as the engine's
 is) and once left to size its own. Each request makes exactly ``new_tokens`` unless
@@ -25,7 +24,6 @@ from typing import Any
 import pandas as pd
 import torch
 
-from labkit.engine.attention import decode_attention, plan_decode
 from labkit.engine.config import EngineConfig
 from labkit.engine.engine import BatchEngine
 from labkit.engine.events import TokenEvent
@@ -195,85 +193,6 @@ def bench_step(cfg: StepBench = StepBench(), loaded: LoadedModel | None = None) 
             }
         )
     return pd.DataFrame(rows)
-
-
-@dataclass(frozen=True)
-class GatherBench:
-    model: str = "smollm2-135m"
-    contexts: tuple[int, ...] = (64, 256, 1024)
-    batches: tuple[int, ...] = (1, 8, 32)
-    repeats: int = 5
-    dtype: str = "float32"
-
-
-@torch.inference_mode()
-def bench_gather(cfg: GatherBench = GatherBench(), loaded: LoadedModel | None = None) -> pd.DataFrame:
-    """Per decode step (all layers): the K/V gather alone, and the attention that contains it.
-
-    The copy is what attention reading straight from the block pool would save; ``copy_share``
-    is its part of the attention time (the rest of the step, the matmuls, does not change).
-    Random block tables over a pool sized to the work, random queries; medians of ``repeats``.
-    """
-    from labkit.engine.runner import ModelRunner
-
-    loaded = loaded or load_model(cfg.model)
-    rows_out = []
-    for context in cfg.contexts:
-        for batch in cfg.batches:
-            per_seq = -(-(context + 1) // 16)
-            runner = ModelRunner(
-                loaded, num_blocks=batch * per_seq, block_size=16, dtype=cfg.dtype, batch_invariant=False
-            )
-            shape = runner.network.shape
-            gen = torch.Generator().manual_seed(context * 100 + batch)
-            order = torch.randperm(batch * per_seq, generator=gen).tolist()
-            tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
-            plan = plan_decode(
-                [context] * batch,
-                tables,
-                16,
-                invariant=True,
-                kv_heads=shape.num_kv_heads,
-                dtype=runner.dtype,
-                device=runner.device,
-            )
-            q = torch.randn(batch, shape.num_heads, shape.head_dim, dtype=runner.dtype)
-            pool = runner.pool
-            copy_t, attn_t = [], []
-            for _ in range(cfg.repeats + 1):
-                t0 = time.perf_counter()
-                for layer in range(shape.num_layers):
-                    for g in plan.groups:
-                        pool.kv[layer].index_select(2, g.blocks)
-                t1 = time.perf_counter()
-                for layer in range(shape.num_layers):
-                    decode_attention(q, pool.kv[layer], plan)
-                t2 = time.perf_counter()
-                copy_t.append(t1 - t0)
-                attn_t.append(t2 - t1)
-            copy, attn = (1000 * statistics.median(t[1:]) for t in (copy_t, attn_t))
-            mib = (
-                2
-                * shape.num_layers
-                * shape.num_kv_heads
-                * batch
-                * plan.groups[0].width
-                * shape.head_dim
-                * pool.kv.element_size()
-                / 2**20
-            )
-            rows_out.append(
-                {
-                    "context": context,
-                    "batch": batch,
-                    "copied_MiB_per_step": mib,
-                    "copy_ms": copy,
-                    "attention_ms": attn,
-                    "copy_share": copy / attn,
-                }
-            )
-            del runner
-    return pd.DataFrame(rows_out)
 
 
 def _engine_run(

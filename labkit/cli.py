@@ -44,7 +44,7 @@ def _add_bench(sub) -> None:
     from labkit.engine.config import _DTYPES as DTYPES  # the one list (light: no torch)
 
     p = sub.add_parser("bench", help="benchmarks: decode-step cost and generation throughput")
-    p.add_argument("what", choices=["step", "generate", "gather", "attention"])
+    p.add_argument("what", choices=["step", "generate", "attention"])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--batches", default=None, help="step, attention: comma-separated batch sizes")
@@ -103,8 +103,6 @@ def _bench(args) -> None:
                 reps=args.rounds or 3,
             )
         )
-    elif args.what == "gather":
-        table = bench.bench_gather(bench.GatherBench(model=args.model, dtype=args.dtype))
     else:
         cfg = bench.GenerateBench(
             model=args.model,

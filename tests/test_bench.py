@@ -1,16 +1,27 @@
 """The benchmarks run end to end on a tiny model and report what they promise (no timing asserted)."""
-import torch
 
+import torch
 from engine_helpers import solo, with_eos
-from labkit.bench import GatherBench, GenerateBench, StepBench, bench_gather, bench_generate, bench_step
+
+from labkit.bench import GenerateBench, StepBench, bench_generate, bench_step
 from labkit.prompts import PROMPTS
 
 
 def test_step_bench_reports_bare_invariant_plain_and_floor_times_per_batch(tiny_gpt2):
     table = bench_step(StepBench(model="tiny-gpt2", batches=(1, 3), context=16, steps=3, warmup=1), tiny_gpt2)
     assert list(table.batch) == [1, 3]
-    for column in ("bare_forward_ms", "engine_step_ms", "engine_plain_ms", "matmul_floor_ms", "invariant_matmuls_ms",
-                   "engine/bare", "plain/bare", "engine/floor", "plain/floor", "invariant/plain"):
+    for column in (
+        "bare_forward_ms",
+        "engine_step_ms",
+        "engine_plain_ms",
+        "matmul_floor_ms",
+        "invariant_matmuls_ms",
+        "engine/bare",
+        "plain/bare",
+        "engine/floor",
+        "plain/floor",
+        "invariant/plain",
+    ):
         assert (table[column] > 0).all(), column
     row = table.iloc[-1]
     assert row["engine/floor"] == row.engine_step_ms / row.matmul_floor_ms
@@ -26,8 +37,13 @@ def test_step_bench_takes_the_median_of_interleaved_rounds(tiny_gpt2, monkeypatc
     def fake_row(loaded, batch, cfg):
         calls.append(batch)
         t = next(times)
-        return {"bare_forward_ms": t, "engine_step_ms": t, "engine_plain_ms": t, "matmul_floor_ms": t,
-                "invariant_matmuls_ms": t}
+        return {
+            "bare_forward_ms": t,
+            "engine_step_ms": t,
+            "engine_plain_ms": t,
+            "matmul_floor_ms": t,
+            "invariant_matmuls_ms": t,
+        }
 
     monkeypatch.setattr(bench, "_step_row", fake_row)
     table = bench_step(StepBench(model="tiny-gpt2", batches=(1, 2), rounds=3), tiny_gpt2)
@@ -38,8 +54,11 @@ def test_step_bench_takes_the_median_of_interleaved_rounds(tiny_gpt2, monkeypatc
 def test_generate_bench_runs_every_request_to_its_length_three_ways(tiny_gpt2):
     cfg = GenerateBench(model="tiny-gpt2", requests=4, new_tokens=6, with_self_sized=False)
     table = bench_generate(cfg, tiny_gpt2).set_index("run")
-    assert list(table.index) == ["engine, all at once", "engine, one after another",
-                                 "transformers generate_batch, cache sized to the work"]
+    assert list(table.index) == [
+        "engine, all at once",
+        "engine, one after another",
+        "transformers generate_batch, cache sized to the work",
+    ]
     assert (table.tokens == 4 * 6).all()
     assert table.loc["engine, one after another", "same_tokens_as_engine"] == "4/4"
     assert table.loc["engine, all at once", "engine_all_at_once/this"] == 1.0
@@ -59,12 +78,3 @@ def test_benches_in_bfloat16_leave_the_loaded_float32_weights_untouched(tiny_gpt
     assert (bench_generate(cfg, tiny_gpt2).tokens == 2 * 3).all()
     after = dict(tiny_gpt2.model.named_parameters())
     assert all(p.dtype == torch.float32 and torch.equal(p, after[name]) for name, p in before.items())
-
-
-def test_gather_bench_reports_the_copy_beside_the_attention_for_each_context_and_batch(tiny_llama):
-    table = bench_gather(GatherBench(model="tiny-llama", contexts=(16, 64), batches=(1, 4), repeats=2), tiny_llama)
-    assert [(r.context, r.batch) for r in table.itertuples()] == [(16, 1), (16, 4), (64, 1), (64, 4)]
-    assert (table.copy_ms > 0).all() and (table.attention_ms > 0).all()
-    # bytes copied grow with both: 64 positions (one width) at context 16 and 64 alike, 128 at 64+1
-    mib = table.set_index(["context", "batch"]).copied_MiB_per_step
-    assert mib[(16, 4)] == 4 * mib[(16, 1)] and mib[(64, 1)] == 2 * mib[(16, 1)]
