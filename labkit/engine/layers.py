@@ -63,7 +63,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, tiling: Tiling | None
 
     Without ``tiling``, one plain matmul (fastest, rounding depends on the number of rows).
     With it, a row's result is bitwise the same at any batch size and any place in the batch
-    (see ``Tiling``); ``x`` must have ``tiling.padded(n)`` rows.
+    (see ``Tiling``); ``x`` must have ``tiling.padded(n)`` rows. The result is always a new
+    tensor, never a view of ``x`` or ``weight``, so callers may add into it in place.
     """
     if tiling is None:
         return torch.matmul(x, weight) if bias is None else torch.addmm(bias, x, weight)
@@ -134,8 +135,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def silu(x: Tensor) -> Tensor:
-    """x * sigmoid(x) from exp and division, which round alike at every position (see above)."""
-    return x / (1 + torch.exp(-x))
+    """x * sigmoid(x) from exp and division, which round alike at every position (see above).
+
+    ``x / (1 + exp(-x))`` computed in one new buffer instead of four (same operations, same bits)."""
+    d = torch.neg(x)
+    d.exp_().add_(1)
+    return torch.div(x, d, out=d)
 
 
 _GELU_C = math.sqrt(2.0 / math.pi)
@@ -176,4 +181,5 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate ``x`` (rows, heads, head_dim) by its row's angles (rotate-half convention);
     ``sin`` carries rotate-half's sign in its first half (see ``RopeTable``)."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+    turned = torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin)
+    return (x * cos).add_(turned)  # x * cos + turned * sin, two buffers instead of four

@@ -218,10 +218,12 @@ class LlamaNetwork(Network):
 
     def finish(self, layer: int, x: Tensor, attn: Tensor, tile: Tile) -> Tensor:
         w = self.blocks[layer]
-        x = x + linear(attn, w["o_w"], w["o_b"], tile)
+        # linear() returns a new tensor, so the residual adds go into it in place (a + b == b + a
+        # bitwise): a layer allocates its outputs and nothing else
+        x = linear(attn, w["o_w"], w["o_b"], tile).add_(x)
         h = rms_norm(x, w["norm_post"], self.eps)
         gate, up = linear(h, w["gate_up_w"], w["gate_up_b"], tile).chunk(2, dim=-1)
-        return x + linear(silu(gate) * up, w["down_w"], w["down_b"], tile)
+        return linear(silu(gate).mul_(up), w["down_w"], w["down_b"], tile).add_(x)
 
     def logits(self, x: Tensor, tile: Tile) -> Tensor:
         return linear(rms_norm(x, self.norm, self.eps), self.lm_head, None, tile)

@@ -225,8 +225,16 @@ class ModelRunner:
         net, tile = self.network, self._tiling_now()
         padded = rows if tile is None else tile.padded(rows)
         pad = [0] * (padded - rows)  # filler rows: token 0 at position 0, never written or attended
-        pos = self._long([positions[r] for r in plan.order] + pad)
-        x = net.embed(self._long([tokens[r] for r in plan.order] + pad), pos)
+        # the step's index tensors in one transfer: token ids and positions in plan order, and
+        # where each input row's result sits (filler rows keep their places at the end)
+        ids, pos, back = self._long(
+            [
+                [tokens[r] for r in plan.order] + pad,
+                [positions[r] for r in plan.order] + pad,
+                plan.inverse + list(range(rows, padded)),
+            ]
+        )
+        x = net.embed(ids, pos)
         at = net.positional(pos)
         for layer in range(net.shape.num_layers):
             q, k, v = net.qkv(layer, x, at, tile)
@@ -235,14 +243,15 @@ class ModelRunner:
             if padded > rows:
                 attn = F.pad(attn, (0, 0, 0, padded - rows))
             x = net.finish(layer, x, attn, tile)
-        x = x.index_select(0, self._long(plan.inverse + list(range(rows, padded))))
+        x = x.index_select(0, back)
         return net.logits(x, tile)[:rows].float()
 
     def _check_positions(self, last: int) -> None:
         if last >= self.max_positions:
             raise ValueError(f"position {last} is past the model's {self.max_positions} positions")
 
-    def _long(self, values: Sequence[int]) -> Tensor:
+    def _long(self, values: Sequence) -> Tensor:
+        """``values`` (ints, or equal-length lists of ints) as one long tensor on the device."""
         return torch.tensor(list(values), dtype=torch.long, device=self.device)
 
 
