@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from labkit.engine.attention import AttentionChoice, choose_attention, decode_attention, plan_decode
+from labkit.engine.attention import AttentionChoice, choose_attention, decode_attention
 from labkit.engine.runner import ModelRunner
 from labkit.models import LoadedModel, load_model
 
@@ -115,33 +115,14 @@ def _one_cell(runner: ModelRunner, cfg: AttentionBench, ctx: int, tables, tokens
     layers = runner.network.shape.num_layers
 
     def attention() -> None:
-        plan = plan_decode(
-            positions,
-            tables,
-            runner.block_size,
-            invariant=runner.batch_invariant,
-            kv_heads=runner.network.shape.num_kv_heads,
-            dtype=runner.dtype,
-            device=runner.device,
-            span=runner.span,
-            kernel=kernel,
-        )
+        plan = runner.plan_decode(positions, tables)
         for layer in range(layers):
             decode_attention(q, runner.pool.kv[layer], plan)
 
     def step() -> None:
         runner.decode(tokens, positions, tables)
 
-    plan = plan_decode(
-        positions,
-        tables,
-        runner.block_size,
-        invariant=runner.batch_invariant,
-        kv_heads=runner.network.shape.num_kv_heads,
-        dtype=runner.dtype,
-        device=runner.device,
-        span=runner.span,
-    )
+    plan = runner.plan_decode(positions, tables, kernel=False)  # the widths the gather copies
     positions_copied = sum((g.stop - g.start) * g.width for g in plan.groups)
     per_position = 2 * layers * runner.network.shape.num_kv_heads * runner.network.shape.head_dim
     return {

@@ -23,7 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from labkit.engine.attention import DEFAULT_SPAN, choose_attention, decode_attention, plan_decode, prefill_attention
+from labkit.engine.attention import (
+    DEFAULT_SPAN,
+    DecodePlan,
+    choose_attention,
+    decode_attention,
+    plan_decode,
+    prefill_attention,
+)
 from labkit.engine.layers import Tiling, probe_chunk_rows
 from labkit.engine.networks import Network, build_network
 from labkit.models.loaded import LoadedModel
@@ -202,15 +209,12 @@ class ModelRunner:
         x = x.index_select(0, self._long(last + [last[0]] * (out_rows - len(last))))
         return net.logits(x, tile)[: len(last)].float()
 
-    @torch.inference_mode()
-    def decode(self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]]) -> Tensor:
-        """One token per sequence, sequences of different lengths in one batched pass: token b
-        sits at position positions[b] (= tokens already cached), its K/V is written there, and
-        it attends to positions 0..positions[b]. Returns float32 logits (B, vocab)."""
-        if not tokens:
-            return torch.empty(0, self.network.vocab_size, device=self.device)
-        self._check_positions(max(positions))
-        plan = plan_decode(
+    def plan_decode(
+        self, positions: Sequence[int], block_tables: Sequence[Sequence[int]], *, kernel: bool | None = None
+    ) -> DecodePlan:
+        """The decode step's attention plan for these rows, in this runner's mode; ``kernel``
+        overrides the attention the runner chose (the bench plans both ways on one runner)."""
+        return plan_decode(
             positions,
             block_tables,
             self.block_size,
@@ -219,8 +223,18 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             span=self.span,
-            kernel=self.attention.mode == "kernel",
+            kernel=self.attention.mode == "kernel" if kernel is None else kernel,
         )
+
+    @torch.inference_mode()
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]]) -> Tensor:
+        """One token per sequence, sequences of different lengths in one batched pass: token b
+        sits at position positions[b] (= tokens already cached), its K/V is written there, and
+        it attends to positions 0..positions[b]. Returns float32 logits (B, vocab)."""
+        if not tokens:
+            return torch.empty(0, self.network.vocab_size, device=self.device)
+        self._check_positions(max(positions))
+        plan = self.plan_decode(positions, block_tables)
         rows = len(tokens)
         net, tile = self.network, self._tiling_now()
         padded = rows if tile is None else tile.padded(rows)
