@@ -44,7 +44,10 @@ from labkit.prompts import PROMPTS
 __all__ = ["DisconnectConfig", "release", "run_disconnect"]
 
 UNAVAILABLE = (
-    ("the step at which each sequence's blocks came back", "labkit's hub records, in-process only"),
+    (
+        "the step at which each sequence's blocks came back",
+        "labkit's own lab routes (GET /lab/streams), which other servers lack; notebook 06 measures it",
+    ),
     ("Starlette's response against the write-only one", "a labkit server setting"),
 )
 #: below this relative change between idle and loaded, a witness cannot tell (the verdict says so)

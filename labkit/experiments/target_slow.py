@@ -35,8 +35,14 @@ from labkit.prompts import PROMPTS
 __all__ = ["SlowConfig", "run_slow"]
 
 UNAVAILABLE = (
-    ("where the slow stream's backlog waits (queue, socket buffer)", "labkit's hub and /stats, in-process only"),
-    ("which policy acted (pause, drop) and at which step", "labkit's hub records (notebook 05)"),
+    (
+        "where the slow stream's backlog waits (queue, socket buffer)",
+        "labkit's /stats and lab routes, which other servers lack; notebooks 04 and 05 measure it",
+    ),
+    (
+        "which policy acted (pause, drop) and at which step",
+        "labkit's lab routes, which other servers lack; notebook 05 measures it",
+    ),
 )
 
 
