@@ -154,8 +154,8 @@ tables["slow_effects"].set_index(["server", "slow_readers"])
 # ## What only labkit can show
 #
 # Measurements that need a server's internals (its step log, block counts, its policies) are
-# made for labkit in-process in notebooks 03, 05 and 06; for a peer they are not available from
-# the client's side of HTTP.
+# made for labkit in notebooks 03, 05 and 06, through labkit's own `/stats` and lab routes; the
+# peers offer only the OpenAI API, so from the client's side of HTTP they are not available.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
