@@ -7,6 +7,7 @@ batch (it is invariant by construction, whatever the mode); greedy tokens of the
 must not change; hostile tables must be refused in Python, before any native code runs; and
 where the kernel cannot be built the engine must fall back to the gather and say why.
 """
+
 from __future__ import annotations
 
 import random
@@ -42,18 +43,22 @@ def _random_case(heads: int, kv_heads: int, dim: int, block_size: int, lengths: 
 
 
 def _gather(q: torch.Tensor, pool: torch.Tensor, tables, lengths, block_size: int) -> torch.Tensor:
-    plan = plan_decode([n - 1 for n in lengths], tables, block_size, invariant=True, kv_heads=pool.shape[1],
-                       dtype=q.dtype, device=CPU)
+    plan = plan_decode(
+        [n - 1 for n in lengths], tables, block_size, invariant=True, kv_heads=pool.shape[1], dtype=q.dtype, device=CPU
+    )
     return decode_attention(q[plan.order], pool, plan)[plan.inverse]
 
 
 # -- the same numbers as the gather --------------------------------------------------------
-@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [
-    (4, 4, 16, 4),  # plain multi-head, a head smaller than the kernel's vector lanes
-    (9, 3, 64, 16),  # grouped-query (SmolLM2's grouping and head size)
-    (8, 2, 20, 16),  # a head size that leaves a scalar tail
-    (6, 1, 32, 5),  # one KV head for all, a block size that divides nothing
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,block_size",
+    [
+        (4, 4, 16, 4),  # plain multi-head, a head smaller than the kernel's vector lanes
+        (9, 3, 64, 16),  # grouped-query (SmolLM2's grouping and head size)
+        (8, 2, 20, 16),  # a head size that leaves a scalar tail
+        (6, 1, 32, 5),  # one KV head for all, a block size that divides nothing
+    ],
+)
 def test_kernel_matches_the_gather_on_scattered_tables(heads: int, kv_heads: int, dim: int, block_size: int) -> None:
     q, pool, tables = _random_case(heads, kv_heads, dim, block_size, LENGTHS)
     paged = PagedTables.build(tables, LENGTHS, block_size)
@@ -88,8 +93,10 @@ def test_kernel_takes_the_query_as_a_strided_view() -> None:
 # -- a row's bits never depend on its neighbours ---------------------------------------------
 def test_kernel_rows_are_bitwise_the_same_alone_in_any_batch_and_thread_count() -> None:
     q, pool, tables = _random_case(9, 3, 64, 16, LENGTHS, seed=3)
-    solo = [paged_decode(q[i : i + 1], pool, PagedTables.build([tables[i]], [LENGTHS[i]], 16))[0]
-            for i in range(len(LENGTHS))]
+    solo = [
+        paged_decode(q[i : i + 1], pool, PagedTables.build([tables[i]], [LENGTHS[i]], 16))[0]
+        for i in range(len(LENGTHS))
+    ]
     threads = torch.get_num_threads()
     rng = random.Random(4)
     try:
@@ -97,8 +104,9 @@ def test_kernel_rows_are_bitwise_the_same_alone_in_any_batch_and_thread_count() 
             torch.set_num_threads(n_threads)
             for _ in range(6):
                 rows = rng.sample(range(len(LENGTHS)), rng.randint(2, len(LENGTHS)))
-                out = paged_decode(q[rows], pool, PagedTables.build([tables[r] for r in rows],
-                                                                    [LENGTHS[r] for r in rows], 16))
+                out = paged_decode(
+                    q[rows], pool, PagedTables.build([tables[r] for r in rows], [LENGTHS[r] for r in rows], 16)
+                )
                 for at, r in enumerate(rows):
                     assert torch.equal(out[at], solo[r]), f"row {r} at {at} of {len(rows)}, {n_threads} threads"
     finally:
@@ -107,8 +115,9 @@ def test_kernel_rows_are_bitwise_the_same_alone_in_any_batch_and_thread_count() 
 
 def _prefilled(loaded: LoadedModel, attention: str, batch_invariant: bool, num_seqs: int = 20, seed: int = 0):
     rng = random.Random(seed)
-    runner = make_runner(loaded, block_size=4, num_blocks=num_seqs * 40, attention=attention,
-                         batch_invariant=batch_invariant)
+    runner = make_runner(
+        loaded, block_size=4, num_blocks=num_seqs * 40, attention=attention, batch_invariant=batch_invariant
+    )
     tables = shuffled_tables(num_seqs, 40, num_seqs * 40, seed=seed)
     lengths = [rng.choice([1, 4, 63, 64, 65, 128, 129, rng.randint(2, 150)]) for _ in range(num_seqs)]
     nexts = []
@@ -151,20 +160,27 @@ def test_greedy_tokens_are_the_same_with_kernel_and_gather(tiny_model: LoadedMod
     prompts = [encode(tiny_model, p) for p in PROMPTS]
     tables = shuffled_tables(len(prompts), 12, 512, seed=5)
     eos = tiny_model.eos_token_id
-    runs = {mode: runner_greedy(make_runner(tiny_model, block_size=4, num_blocks=512, attention=mode),
-                                prompts, tables, 12, eos) for mode in ("kernel", "gather")}
+    runs = {
+        mode: runner_greedy(
+            make_runner(tiny_model, block_size=4, num_blocks=512, attention=mode), prompts, tables, 12, eos
+        )
+        for mode in ("kernel", "gather")
+    }
     assert runs["kernel"] == runs["gather"]
     assert sum(map(len, runs["kernel"])) > len(prompts), "the runs decoded nothing"
 
 
 # -- hostile tables are refused before native code runs --------------------------------------
-@pytest.mark.parametrize("tables,lengths,why", [
-    ([[0, 1]], [9], "needs 3 blocks"),  # length past the table
-    ([[0, -1]], [8], "negative block id"),
-    ([[3]], [0], "positive"),
-    ([[3]], [-4], "positive"),
-    ([[0], [1]], [1], "2 block tables for 1 lengths"),
-])
+@pytest.mark.parametrize(
+    "tables,lengths,why",
+    [
+        ([[0, 1]], [9], "needs 3 blocks"),  # length past the table
+        ([[0, -1]], [8], "block ids must lie"),
+        ([[3]], [0], "positive"),
+        ([[3]], [-4], "positive"),
+        ([[0], [1]], [1], "2 block tables for 1 lengths"),
+    ],
+)
 def test_hostile_tables_raise_value_error(tables, lengths, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         PagedTables.build(tables, lengths, 4)
@@ -180,6 +196,40 @@ def test_a_block_past_the_pool_and_mismatched_shapes_raise_value_error() -> None
         paged_decode(q[:, :3], pool, PagedTables.build(tables, [5], 4))  # 3 heads over 2 KV heads
     with pytest.raises(ValueError, match="float32"):
         paged_decode(q.double(), pool, PagedTables.build(tables, [5], 4))
+
+
+def test_tables_made_by_hand_are_checked_too_and_a_pool_without_values_is_refused() -> None:
+    q, pool, tables = _random_case(4, 2, 16, 4, [5])
+    good = PagedTables.build(tables, [5], 4)
+    too_long = dict(tables=good.tables, lengths=torch.tensor([9], dtype=torch.int32), block_size=4, max_length=9)
+    with pytest.raises(ValueError, match="needs more than"):
+        PagedTables(**too_long, max_block=good.max_block)  # 9 positions need 3 blocks, the table has 2
+    with pytest.raises(ValueError, match="max_length"):
+        PagedTables(good.tables, good.lengths, 4, 2, good.max_block)  # max_length below a row's length
+    with pytest.raises(ValueError, match="int32"):
+        PagedTables(good.tables.long(), good.lengths, 4, 5, good.max_block)
+    with pytest.raises(ValueError, match="int32"):
+        PagedTables(good.tables, good.lengths, 0, 5, good.max_block)  # block size 0
+    with pytest.raises(ValueError, match="max_block"):
+        PagedTables(good.tables, good.lengths, 4, 5, 0)  # a block id past what the pool check was told
+    with pytest.raises(ValueError, match="block ids must lie"):
+        PagedTables.build([[0, 2**31]], [5], 4)
+    with pytest.raises(ValueError, match=r"pool \(2, kv_heads"):
+        paged_decode(q, pool[:1].contiguous(), good)  # keys only: the values would be read past its end
+
+
+def test_an_unwritable_cache_falls_back_to_the_gather(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A cache directory that cannot be made is a reason to fall back, not a crash at start-up."""
+    from labkit.engine import kernels
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
+    with pytest.raises(KernelUnavailable, match="could not build"):
+        paged_decode_kernel()
+    choice = choose_attention("auto", CPU, torch.float32)
+    assert choice.mode == "gather" and "could not build" in choice.reason
 
 
 def test_runner_refuses_a_position_past_its_table(tiny_llama: LoadedModel) -> None:
@@ -269,8 +319,15 @@ def test_bench_measures_both_modes_in_every_cell_and_counts_the_copy(tiny_llama:
 def test_the_experiment_reports_identity_and_judges_the_hypotheses(tiny_gpt2: LoadedModel) -> None:
     from labkit.experiments import paged
 
-    cfg = paged.Config(model="tiny-gpt2", batches=(1, 4), contexts=(16, 64), repetitions=1, steps=1,
-                       identity_streams=2, identity_tokens=3)
+    cfg = paged.Config(
+        model="tiny-gpt2",
+        batches=(1, 4),
+        contexts=(16, 64),
+        repetitions=1,
+        steps=1,
+        identity_streams=2,
+        identity_tokens=3,
+    )
     tables = paged.run(cfg)
     assert paged.report(tables).splitlines() == [
         "greedy streams, kernel vs gather: identical",

@@ -73,6 +73,29 @@ class PagedTables:
     max_length: int
     max_block: int  # the largest block id any row reads: checked against the pool's size
 
+    def __post_init__(self) -> None:
+        """What the kernel relies on, checked however the tables were made (``build`` makes
+        them right; a hand-made one must not reach native code wrong)."""
+        t, n = self.tables, self.lengths
+        ok = (
+            t.dtype == torch.int32
+            and n.dtype == torch.int32
+            and t.dim() == 2
+            and n.dim() == 1
+            and t.shape[0] == n.shape[0] >= 1
+            and t.is_contiguous()
+            and n.is_contiguous()
+            and self.block_size >= 1
+        )
+        if not ok:
+            raise ValueError("PagedTables: tables (rows, width) and lengths (rows,) must be contiguous int32")
+        if int(n.min()) < 1 or int(n.max()) != self.max_length:
+            raise ValueError(f"PagedTables: lengths must be >= 1 and max_length their maximum ({self.max_length})")
+        if -(-self.max_length // self.block_size) > t.shape[1]:
+            raise ValueError(f"PagedTables: a length of {self.max_length} needs more than {t.shape[1]} blocks")
+        if int(t.min()) < 0 or int(t.max()) > self.max_block:
+            raise ValueError(f"PagedTables: block ids must lie in 0..max_block ({self.max_block})")
+
     @classmethod
     def build(cls, block_tables: Sequence[Sequence[int]], lengths: Sequence[int], block_size: int) -> PagedTables:
         """Refuse what would make the kernel read outside the pool: ValueError, never a crash."""
@@ -88,8 +111,8 @@ class PagedTables:
             if need > len(table):
                 raise ValueError(f"row {row}: length {n} needs {need} blocks, its table has {len(table)}")
             blocks = [int(b) for b in table[:need]]
-            if min(blocks) < 0:
-                raise ValueError(f"row {row}: negative block id {min(blocks)} in its table")
+            if min(blocks) < 0 or max(blocks) >= 2**31:
+                raise ValueError(f"row {row}: block ids must lie in 0..2**31-1, got {min(blocks)}..{max(blocks)}")
             used.append(blocks)
         width = max(map(len, used))
         padded = [blocks + [0] * (width - len(blocks)) for blocks in used]
@@ -106,6 +129,11 @@ def paged_decode(q: Tensor, pool: Tensor, paged: PagedTables) -> Tensor:
     """Decode attention read through the block tables: ``q`` (rows, heads, d) float32 on the CPU
     (any row/head strides, d contiguous), ``pool`` one layer's (2, kv_heads, num_blocks,
     block_size, d), contiguous. Returns (rows, heads * d)."""
+    if q.dim() != 3 or pool.dim() != 5 or pool.shape[0] != 2:
+        raise ValueError(
+            f"paged_decode: q must be (rows, heads, d), pool (2, kv_heads, blocks, block_size, d); "
+            f"got {tuple(q.shape)} and {tuple(pool.shape)}"
+        )
     rows, heads, dim = q.shape
     _, kv_heads, num_blocks, block_size, pool_dim = pool.shape
     if q.dtype != torch.float32 or pool.dtype != torch.float32 or q.device.type != "cpu" or pool.device.type != "cpu":

@@ -62,6 +62,8 @@ def paged_decode_kernel(cxx: str | None = None) -> Kernel:
                 _loaded[cxx] = _load(cxx)
             except KernelUnavailable as err:
                 _loaded[cxx] = err
+            except OSError as err:  # an unreadable source, an unwritable cache directory, ...
+                _loaded[cxx] = KernelUnavailable(f"could not build the kernel: {err}")
         found = _loaded[cxx]
     if isinstance(found, KernelUnavailable):
         raise found
