@@ -25,7 +25,7 @@ def test_wait_for_checks_at_least_once_even_with_a_tiny_bound():
     assert wait_for(lambda: "ready", timeout=1e-9, what="x") == "ready"
 
 
-@pytest.mark.parametrize("timeout, interval", [(0, 0.1), (-1, 0.1), (1, 0), (float("nan"), 0.1)])
+@pytest.mark.parametrize("timeout, interval", [(0, 0.1), (-1, 0.1), (1, 0), (float("nan"), 0.1), (float("inf"), 0.1)])
 def test_bounds_must_be_positive(timeout, interval):
     with pytest.raises(ValueError):
         wait_for(lambda: True, timeout=timeout, what="x", interval=interval)
@@ -47,3 +47,13 @@ def test_await_for_accepts_coroutine_checks_and_lets_the_loop_run():
 def test_await_for_times_out():
     with pytest.raises(WaitTimeout):
         asyncio.run(await_for(lambda: False, timeout=0.05, what="never", interval=0.01))
+
+
+def test_a_check_that_hangs_is_cut_off_at_the_bound():
+    async def hangs():
+        await asyncio.sleep(60)
+
+    start = time.monotonic()
+    with pytest.raises(WaitTimeout):
+        asyncio.run(await_for(hangs, timeout=0.1, what="a hung request", interval=0.01))
+    assert time.monotonic() - start < 5

@@ -9,6 +9,7 @@ it gives up, and hands back the answer that ended it (a snapshot, a record), not
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, overload
@@ -56,7 +57,10 @@ async def await_for(check: Callable[[], Any], *, timeout: float, what: str, inte
     while True:
         answer = check()
         if asyncio.iscoroutine(answer) or isinstance(answer, asyncio.Future):
-            answer = await answer
+            try:  # the check itself is bounded too: a hung request must not stretch the wait
+                answer = await asyncio.wait_for(answer, max(deadline - time.monotonic(), interval))
+            except asyncio.TimeoutError:
+                raise WaitTimeout(what, timeout, None) from None
         if answer:
             return answer
         if time.monotonic() >= deadline:
@@ -65,5 +69,5 @@ async def await_for(check: Callable[[], Any], *, timeout: float, what: str, inte
 
 
 def _check_bounds(timeout: float, interval: float) -> None:
-    if not timeout > 0 or not interval > 0:
-        raise ValueError(f"timeout and interval must be > 0, got {timeout!r} and {interval!r}")
+    if not (0 < timeout < math.inf) or not (0 < interval < math.inf):
+        raise ValueError(f"timeout and interval must be finite and > 0, got {timeout!r} and {interval!r}")
