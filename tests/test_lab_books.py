@@ -6,9 +6,13 @@ thread changed them; the cache check was started from there too. The lab routes 
 they need (``/lab/streams?ids=``/``?since=``, ``/lab/integrity``, run on the step thread between
 two steps), and ``labkit.experiments.servers`` reads them.
 """
+
 from __future__ import annotations
 
+import asyncio
+
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -72,6 +76,28 @@ def test_integrity_runs_on_the_step_thread_and_reports_the_books(server, monkeyp
     assert answer["stats"]["free_blocks"] == answer["stats"]["total_blocks"]
 
 
+def test_callers_asking_at_once_share_one_check_so_asking_cannot_stall_decoding(server, monkeypatch):
+    runs: list[float] = []
+    real = server.engine.check_integrity
+
+    def slow() -> None:
+        runs.append(time.perf_counter())
+        time.sleep(0.3)  # a check that takes a while: the callers below all arrive during it
+        real()
+
+    monkeypatch.setattr(server.engine, "check_integrity", slow)
+
+    async def ask_all() -> list[dict]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT, trust_env=False) as client:
+            answers = await asyncio.gather(*(client.get("/lab/integrity") for _ in range(20)))
+        return [a.json() for a in answers]
+
+    answers = asyncio.run(ask_all())
+    assert all(a["ok"] for a in answers) and len(answers) == 20
+    assert len(runs) < 5  # one shared check per burst (a late arrival may start one more), never twenty
+    assert get(server, "/lab/integrity").json()["ok"] and len(runs) >= 2  # a later caller gets a fresh check
+
+
 def test_integrity_says_what_is_broken(server, monkeypatch):
     def broken() -> None:
         raise AssertionError("a block is lost from the pool")
@@ -121,9 +147,17 @@ def server_settings():
 
 
 def test_disconnect_runs_on_a_server_it_can_only_reach_over_http(server):
-    config = disconnect.Config(model="tiny-gpt2", repetitions=1, at_once=1, max_new_tokens=12, early_tokens=2,
-                               end_margin=2, blocker_tokens=64, response_classes=("starlette",),
-                               drain_after_fin_s=0.1)
+    config = disconnect.Config(
+        model="tiny-gpt2",
+        repetitions=1,
+        at_once=1,
+        max_new_tokens=12,
+        early_tokens=2,
+        end_margin=2,
+        blocker_tokens=64,
+        response_classes=("starlette",),
+        drain_after_fin_s=0.1,
+    )
     tables = disconnect.run(config, server=OnlyHttp(server))
     trials, checks = tables["trials"], tables["checks"]
     assert len(trials) == len(disconnect.MOMENTS) * 2 and trials.close_to_hub_close_ms.notna().all()
@@ -135,8 +169,17 @@ def test_disconnect_runs_on_a_server_it_can_only_reach_over_http(server):
 
 
 def test_leak_runs_on_a_server_it_can_only_reach_over_http(server):
-    config = leak.Config(model="tiny-gpt2", streams=8, concurrency=4, max_batch=4, max_new_tokens=10,
-                         early_range=(0, 4), slow_leave_after=(2,), slow_sleep=0.01, response_classes=("starlette",))
+    config = leak.Config(
+        model="tiny-gpt2",
+        streams=8,
+        concurrency=4,
+        max_batch=4,
+        max_new_tokens=10,
+        early_range=(0, 4),
+        slow_leave_after=(2,),
+        slow_sleep=0.01,
+        response_classes=("starlette",),
+    )
     outcome = leak.run(config, server=OnlyHttp(server))["outcome"].iloc[0]
     assert outcome.cache_whole and outcome.streams == 8 and outcome.submitted == 8
     assert outcome.finished == outcome.submitted and outcome.releases == outcome.admitted

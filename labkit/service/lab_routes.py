@@ -93,18 +93,28 @@ async def steps(request: Request, since: int = 0) -> dict[str, Any]:
 
 @router.get("/lab/integrity")
 async def integrity(request: Request) -> dict[str, Any]:
-    """The cache check on the step thread between two steps, then the books on the loop."""
-    service = service_of(request)
+    """The cache check on the step thread between two steps, then the books on the loop.
+
+    Callers that arrive while a check is under way share it: however many ask at once, the step
+    thread runs one check, so asking cannot stall decoding by more than one check's time."""
+    service, state = service_of(request), request.app.state
+    check = getattr(state, "integrity_check", None)
+    if check is None or check.done():
+        check = state.integrity_check = asyncio.ensure_future(_check_integrity(service))
+    ok, what = await asyncio.shield(check)
+    return {"ok": ok, "what": what, "stats": service.stats().as_dict()}
+
+
+async def _check_integrity(service: Any) -> tuple[bool, str]:
     try:
         await asyncio.wait_for(asyncio.wrap_future(service.hub.check_integrity()), INTEGRITY_TIMEOUT_S)
-        ok, what = True, ""
+        return True, ""
     except asyncio.TimeoutError:
         raise ServiceError(
-            503, "over_capacity", f"the step thread did not run the check within {INTEGRITY_TIMEOUT_S:g} s"
+            503, "internal_error", f"the step thread did not run the check within {INTEGRITY_TIMEOUT_S:g} s"
         ) from None
     except Exception as exc:  # an AssertionError is the check's finding; it is the answer, not a failure
-        ok, what = False, clip(str(exc), 400) or "the integrity check failed"
-    return {"ok": ok, "what": what, "stats": service.stats().as_dict()}
+        return False, clip(str(exc), 400) or "the integrity check failed"
 
 
 class FloodRequest(BaseModel):
