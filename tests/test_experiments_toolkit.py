@@ -294,3 +294,27 @@ def test_launch_in_turn_sends_each_request_after_the_previous_stream_ended(serve
     assert in_turn.tokens == 36
     for before, after in zip(in_turn.results, in_turn.results[1:]):
         assert after.sent >= before.ended
+
+
+def test_connecting_is_bounded_by_the_reader_timeout_too():
+    """A listener whose accept queue is full drops the SYN: without a bound, connect retries for minutes."""
+    import socket as socketlib
+
+    listener = socketlib.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    fillers = []
+    try:
+        for _ in range(4):  # fill the accept queue (nobody accepts)
+            s = socketlib.socket()
+            s.setblocking(False)
+            s.connect_ex(listener.getsockname())
+            fillers.append(s)
+        url = "http://127.0.0.1:%d" % listener.getsockname()[1]
+        start = time.perf_counter()
+        r = run_sync(raw_stream(url, BODY, timeout=0.5))
+        assert time.perf_counter() - start < 5 and r.error
+    finally:
+        for s in fillers:
+            s.close()
+        listener.close()

@@ -58,9 +58,13 @@ class RawConnection:
         parts = urlsplit(base_url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setblocking(False)
-        if rcvbuf is not None:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        try:
+            self.sock.setblocking(False)
+            if rcvbuf is not None:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        except OSError:
+            self.sock.close()  # never leak the socket of a connection that could not be set up
+            raise
         self.http = h11.Connection(h11.CLIENT)
         self.closed = False
 
@@ -129,14 +133,16 @@ async def raw_stream(
     I/O; the connection is always closed on return.
     """
     opts = replace(options or ReadOptions(), **fields)
-    conn = RawConnection(url, opts.rcvbuf)
     result = result or StreamResult(sent=0.0)
     result.sent = time.perf_counter()
     stop = _Stop(opts, leave or Leave())
+    conn: RawConnection | None = None
     try:
-        await conn.connect()
+        conn = RawConnection(url, opts.rcvbuf)
+        # connecting and sending are bounded too: a dropped SYN would otherwise retry for minutes
+        await asyncio.wait_for(conn.connect(), opts.bound_s)
         result.sent = time.perf_counter()
-        await conn.send("POST", path, body, headers)
+        await asyncio.wait_for(conn.send("POST", path, body, headers), opts.bound_s)
         if opts.read:
             await _read(conn, result, opts, stop)
         else:
@@ -149,7 +155,8 @@ async def raw_stream(
         result.error = f"{type(exc).__name__}: {exc}"
     finally:
         stop.close()
-        conn.close()
+        if conn is not None:
+            conn.close()
         result.ended = result.ended or time.perf_counter()
     return result
 
