@@ -318,3 +318,16 @@ def test_connecting_is_bounded_by_the_reader_timeout_too():
         for s in fillers:
             s.close()
         listener.close()
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+def test_a_complete_stream_leaves_nothing_pending_whatever_its_line_ends(newline):
+    """sse-starlette ends lines with CRLF: its last blank line's LF is not an unfinished event."""
+    stream = newline.join([b"data: 1", b"", b"data: 2", b"", b""])
+    for reads in ([stream], [stream[i : i + 1] for i in range(len(stream))]):
+        splitter = EventSplitter()
+        events = [e for read in reads for e in splitter.feed(read, now=0.0)]
+        assert len(events) == 2 and splitter.pending == 0
+    splitter = EventSplitter()
+    splitter.feed(stream + b"data: 3", now=0.0)
+    assert splitter.pending == len(b"data: 3") + (1 if newline == b"\r\n" else 0)

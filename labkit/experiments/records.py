@@ -169,6 +169,8 @@ class EventSplitter:
     def __init__(self) -> None:
         self.parser = SSEParser()
         self._pending = 0
+        self._completed_at_cr = False  # the last event completed at a CR: a lone LF may follow
+        self._only_that_lf = False  # and everything pending since is that LF
 
     def feed(self, chunk: bytes, now: float) -> list[TimedEvent]:
         events: list[TimedEvent] = []
@@ -181,17 +183,20 @@ class EventSplitter:
         return events
 
     def _line(self, piece: bytes, now: float) -> list[TimedEvent]:
+        self._only_that_lf = self._completed_at_cr and self._pending == 0 and piece == b"\n"
         self._pending += len(piece)
         events = []
         for parsed in self.parser.feed(piece):
             events.append(TimedEvent(now, self._pending, parsed.event, parsed.id, _payload(parsed.data)))
             self._pending = 0
+        self._completed_at_cr = bool(events) and piece.endswith(b"\r")
         return events
 
     @property
     def pending(self) -> int:
-        """Bytes received since the last complete event (an event still open, or comments)."""
-        return self._pending
+        """Bytes received since the last complete event (an event still open, or comments); the
+        LF of a CRLF blank line alone is not an open event, so a complete CRLF stream ends at 0."""
+        return 0 if self._only_that_lf and self._pending == 1 else self._pending
 
 
 _LINE_END = re.compile(rb"[\r\n]")
