@@ -333,6 +333,8 @@ def test_the_experiment_reports_identity_and_judges_the_hypotheses(tiny_gpt2: Lo
         "greedy streams, kernel vs gather: identical",
         "decode logits, solo vs batched (kernel): identical",
     ]
+    solo = tables["identity"].set_index("comparison").loc["decode logits, solo vs batched (kernel)"]
+    assert solo.cases == 3 * len(paged._SOLO_LENGTHS)  # every length is a target, in three batch sizes
     verdicts = paged.verdicts(tables)
     assert [v.name for v in verdicts] == ["kernel_step_is_cheaper", "kernel_attention_is_cheaper"]
     assert all("context 64" in v.evidence for v in verdicts)

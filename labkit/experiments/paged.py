@@ -139,7 +139,8 @@ def _greedy(runner: ModelRunner, prompts: list[list[int]], tables: list[list[int
 
 
 def _solo_vs_batched(runner: ModelRunner, rng: random.Random) -> tuple[int, int]:
-    """(batches in which the target row's logits equal its solo ones bitwise, batches tried)."""
+    """(batches in which a target row's logits equal its solo ones bitwise, batches tried), every
+    row a target in turn, so that every length (one block, a block boundary, many) is checked."""
     lengths = _SOLO_LENGTHS
     per = -(-(max(lengths) + 1) // runner.block_size)
     ids = rng.sample(range(runner.pool.num_blocks), per * len(lengths))
@@ -147,14 +148,17 @@ def _solo_vs_batched(runner: ModelRunner, rng: random.Random) -> tuple[int, int]
     nexts = [
         int(runner.prefill([rng.randrange(50, 1000) for _ in range(n)], t).argmax()) for n, t in zip(lengths, tables)
     ]
-    solo = runner.decode([nexts[0]], [lengths[0]], [tables[0]])[0]
-    same, sizes = 0, (2, 5, 8)
-    for size in sizes:
-        rows = [0] + rng.sample(range(1, len(lengths)), size - 1)
-        rng.shuffle(rows)
-        out = runner.decode([nexts[r] for r in rows], [lengths[r] for r in rows], [tables[r] for r in rows])
-        same += bool(torch.equal(out[rows.index(0)], solo))
-    return same, len(sizes)
+    same, tried, sizes = 0, 0, (2, 5, 8)
+    for target in range(len(lengths)):
+        solo = runner.decode([nexts[target]], [lengths[target]], [tables[target]])[0]
+        others = [r for r in range(len(lengths)) if r != target]
+        for size in sizes:
+            rows = [target] + rng.sample(others, min(size - 1, len(others)))
+            rng.shuffle(rows)
+            out = runner.decode([nexts[r] for r in rows], [lengths[r] for r in rows], [tables[r] for r in rows])
+            same += bool(torch.equal(out[rows.index(target)], solo))
+            tried += 1
+    return same, tried
 
 
 def report(tables: dict[str, pd.DataFrame]) -> str:
