@@ -331,3 +331,38 @@ def test_a_complete_stream_leaves_nothing_pending_whatever_its_line_ends(newline
     splitter = EventSplitter()
     splitter.feed(stream + b"data: 3", now=0.0)
     assert splitter.pending == len(b"data: 3") + (1 if newline == b"\r\n" else 0)
+
+
+def test_a_server_that_stalls_before_the_planned_leave_is_recorded_as_timed_out():
+    """Leaving after 5 tokens was the plan; a server that sends one and stalls must not look like it."""
+    import socket as socketlib
+    import threading
+
+    listener = socketlib.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    done = threading.Event()
+
+    def stall() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            event = b'event: token\ndata: {"token_id": 1, "text": "a"}\n\n'
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                + b"%x\r\n" % len(event)
+                + event
+                + b"\r\n"
+            )
+            done.wait(10)
+
+    server = threading.Thread(target=stall, daemon=True)
+    server.start()
+    try:
+        url = "http://127.0.0.1:%d" % listener.getsockname()[1]
+        r = run_sync(raw_stream(url, BODY, leave_after_tokens=5, timeout=0.5))
+        assert r.error and "TimeoutError" in r.error
+    finally:
+        done.set()
+        server.join(10)
+        listener.close()

@@ -148,7 +148,7 @@ async def raw_stream(
         else:
             await stop.sleep(result)
         if result.ended is None:
-            if stop.timed_out():
+            if stop.timed_out(result):
                 result.error = f"TimeoutError: no end within {opts.timeout:g} s"
             await _leave(conn, result, opts)
     except (OSError, asyncio.TimeoutError, h11.ProtocolError) as exc:
@@ -173,10 +173,14 @@ class _Stop:
         enough = n is not None and result.headers_at is not None and len(result.tokens) >= n
         return (enough and result.terminal is None) or self.leave.now or self._left(result) <= 0
 
-    def timed_out(self) -> bool:
-        """Stopped by ``timeout`` alone: no planned leave (tokens, seconds, the flag) ended it."""
+    def timed_out(self, result: StreamResult) -> bool:
+        """Stopped by ``timeout``: no planned leave ended it (the flag, enough tokens, or a
+        ``leave_after_s`` within the timeout), whatever leave was planned."""
         o = self.options
-        return o.leave_after_tokens is None and o.leave_after_s is None and not self.leave.now
+        n = o.leave_after_tokens
+        enough = n is not None and result.headers_at is not None and len(result.tokens) >= n
+        planned_time = o.leave_after_s is not None and o.leave_after_s <= o.timeout
+        return not (self.leave.now or enough or planned_time)
 
     async def recv(self, conn: RawConnection, result: StreamResult) -> bytes | None:
         """The next read (``b""``: the server closed), or None if the bound or the flag came first."""
