@@ -57,6 +57,11 @@ def test_streams_since_a_clock_reading_keep_only_later_submissions(server):
     assert [r["rid"] for r in get(server, "/lab/streams", since=clock["clock"]).json()["streams"]] == [rid]
 
 
+def test_ids_and_since_together_are_refused_rather_than_one_silently_ignored(server):
+    refused = get(server, "/lab/streams", ids="r1", since="0")
+    assert refused.status_code == 422 and "not both" in refused.json()["error"]["message"]
+
+
 def test_too_many_ids_are_refused_with_the_envelope(server):
     refused = get(server, "/lab/streams", ids=",".join(f"r{i}" for i in range(1001)))
     assert refused.status_code == 422 and refused.json()["error"]["type"] == "invalid_request"

@@ -66,10 +66,13 @@ FLOOD_MAX_BYTES = 64 << 20
 
 
 @router.get("/lab/streams")
-async def all_records(request: Request, ids: str | None = None, since: float = 0.0) -> dict[str, Any]:
+async def all_records(request: Request, ids: str | None = None, since: float | None = None) -> dict[str, Any]:
     hub, clock = service_of(request).hub, time.perf_counter()
+    if ids is not None and since is not None:
+        raise ServiceError(422, "invalid_request", "ask by ids or since a clock reading, not both")
     if ids is None:
-        return {"streams": [r.as_dict() for r in hub.records() if r.submitted >= since], "clock": clock}
+        after = 0.0 if since is None else since
+        return {"streams": [r.as_dict() for r in hub.records() if r.submitted >= after], "clock": clock}
     wanted = [rid for rid in ids.split(",") if rid]
     if not 0 < len(wanted) <= MAX_IDS:
         raise ServiceError(422, "invalid_request", f"ids must name 1 to {MAX_IDS} request ids, got {len(wanted)}")
