@@ -56,3 +56,7 @@ def test_chromium_resumes_exactly_and_waits_as_long_as_retry_says(tiny_gpt2: Any
     assert delays[200] >= 200 and delays[1200] >= 1200 and delays[1200] > delays[200]
     assert [v.holds for v in browser.verdicts(tables, config)] == [True, True, True]
     assert (tmp_path / "shot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the engine's steps of the run, for its step-time spread: every page's stream decoded in them
+    steps = tables["steps"]
+    assert list(steps.columns[:5]) == ["step", "started", "seconds", "decoded", "prefilled"]
+    assert steps.decoded.sum() >= len(runs) * config.tokens - len(runs)

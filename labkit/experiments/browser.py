@@ -28,7 +28,7 @@ import pandas as pd
 
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
-from labkit.experiments.readings import Verdict, interleaved, span
+from labkit.experiments.readings import Verdict, current_step, fetch_steps, interleaved, span
 from labkit.experiments.servers import serving
 from labkit.experiments.waiting import WaitTimeout, wait_for
 
@@ -114,6 +114,7 @@ def run(
     events, connections, runs = [], [], []
     shot_taken = False
     with serving(server, model=config.model) as srv, headless_chromium() as driver:
+        first_step = current_step(srv.url)
         for rep, condition in interleaved(config.conditions, config.repetitions):
             doing(progress, f"{condition}, repetition {rep + 1}/{config.repetitions}")
             retry = None if condition == UNINTERRUPTED else config.retries_ms[config.conditions.index(condition) - 1]
@@ -131,10 +132,11 @@ def run(
                 driver.save_screenshot(str(screenshot))
                 shot_taken = True
             tick(progress, runs=runs)
+        steps = fetch_steps(srv.url, since=first_step)  # the engine's steps of this run
     events_t = pd.DataFrame(events)
     runs_t = pd.DataFrame(runs)
     runs_t["same_as_uninterrupted"] = same_as_reference(events_t, runs_t)
-    return {"events": events_t, "connections": pd.DataFrame(connections), "runs": runs_t}
+    return {"events": events_t, "connections": pd.DataFrame(connections), "runs": runs_t, "steps": steps}
 
 
 def open_page(driver: Any, base: str, config: Config, retry: int | None) -> dict[str, Any]:
