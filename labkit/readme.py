@@ -66,6 +66,9 @@ def bench_step(data: Path) -> str:
     lines.append("| engine (plain), ms | " + " | ".join(f"{x:.1f}" for x in t.engine_plain_ms) + " |")
     lines.append("| bare transformers forward, ms | " + " | ".join(f"{x:.1f}" for x in t.bare_forward_ms) + " |")
     lines.append("| matmul floor, ms | " + " | ".join(f"{x:.1f}" for x in t.matmul_floor_ms) + " |")
+    lines.append(
+        "| the invariant mode's matmuls, ms | " + " | ".join(f"{x:.1f}" for x in t.invariant_matmuls_ms) + " |"
+    )
     for r in ratios:
         lines.append(f"| {r} | " + " | ".join(f"{x:.2f}" for x in t[r]) + " |")
     return "\n".join(lines) + "\n" + _provenance(path)

@@ -48,7 +48,7 @@ def test_plain_linear_is_the_ordinary_product_with_bias() -> None:
 
 def test_a_runner_whose_kernels_fail_the_probe_falls_back_to_exact_tiles(tiny_llama: LoadedModel, monkeypatch) -> None:
     monkeypatch.setattr(runner_module, "probe_chunk_rows", lambda weight, most: 0)
-    runner = make_runner(tiny_llama, block_size=4, num_blocks=64, tile_rows=8)
+    runner = make_runner(tiny_llama, block_size=4, num_blocks=64, tile_rows=8, matmul="library")
     assert runner._tile == Tiling(8, exact=True)
     tables = shuffled_tables(5, 10, 64, seed=1)
     lengths = [3, 9, 17, 30, 5]
@@ -71,7 +71,7 @@ def test_a_change_of_thread_count_re_probes_before_the_next_forward(tiny_llama: 
 
     monkeypatch.setattr(runner_module, "probe_chunk_rows", counting)
     before = torch.get_num_threads()
-    runner = make_runner(tiny_llama, block_size=4, num_blocks=64)
+    runner = make_runner(tiny_llama, block_size=4, num_blocks=64, matmul="library")
     assert set(probed) == {before}
     other = 2 if before == 1 else 1
     table = shuffled_tables(1, 4, 64)[0]

@@ -8,6 +8,7 @@ import torch
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _ATTENTION = ("auto", "kernel", "gather")  # attention.py ATTENTION_MODES (kept light: no torch import there)
+_MATMUL = ("auto", "kernel", "library")  # matmul.py MATMUL_MODES
 
 
 @dataclass(frozen=True)
@@ -15,12 +16,15 @@ class EngineConfig:
     """How big the cache is, how many sequences decode together, and where they run.
 
     ``num_blocks=None`` sizes the cache so that ``max_batch`` sequences of the model's full
-    context fit. ``batch_invariant`` runs every decode matmul on row tiles of ``tile_rows`` so a
-    row's numbers never depend on how many neighbours it has (see runner.py).
+    context fit. ``batch_invariant`` makes a row's numbers independent of how many neighbours it
+    has (see runner.py): the fixed-order matmul (``matmul``), or row tiles of ``tile_rows``.
     ``max_waiting=None`` means no waiting limit. ``kv_cache_mb`` caps the default cache size.
     ``attention``: how decode reads the cache: ``"kernel"`` through the block tables (paged
     kernel), ``"gather"`` by a contiguous copy, ``"auto"`` the kernel where it builds (see
     attention.py ``choose_attention``; the runner's ``attention.reason`` says which and why).
+    ``matmul``: how the batch-invariant mode multiplies: ``"kernel"`` in a fixed order
+    (``matmul.py``), ``"library"`` through torch's matmuls in probed row chunks (``layers.Tiling``),
+    ``"auto"`` the kernel where it builds (the runner's ``matmul.reason`` says which and why).
     """
 
     block_size: int = 16
@@ -33,6 +37,7 @@ class EngineConfig:
     tile_rows: int = 8
     kv_cache_mb: int = 512
     attention: str = "auto"
+    matmul: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -47,6 +52,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.attention not in _ATTENTION:
             raise ValueError(f"EngineConfig.attention must be one of {_ATTENTION}, got {self.attention!r}")
+        if self.matmul not in _MATMUL:
+            raise ValueError(f"EngineConfig.matmul must be one of {_MATMUL}, got {self.matmul!r}")
         check_device(self.device)
 
 

@@ -59,6 +59,7 @@ class BatchEngine:
             batch_invariant=config.batch_invariant,
             tile_rows=config.tile_rows,
             attention=config.attention,
+            matmul=config.matmul,
         )
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_batch)

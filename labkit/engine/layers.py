@@ -1,6 +1,9 @@
 """The few tensor operations the paged forward is made of, written so a row never feels its neighbours.
 
-Two facts about CPU kernels shape this file (both measured on the lab machine):
+The batch-invariant matmul is the fixed-order kernel (``matmul.py``) wherever it builds; where it
+does not (no compiler, CUDA, another dtype) ``linear`` falls back to the library's matmuls, and
+two facts about CPU kernels shape that fallback and the rest of this file (both measured on the
+lab machine):
 
 * A matmul's rounding can depend on how many rows it has: one row takes a matrix-vector kernel
   that rounds differently from two. With the weight stored (out, in) (``F.linear``'s layout) rows
@@ -23,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from labkit.engine.matmul import FixedOrder
 
 #: A tiled weight larger than this is multiplied in column chunks of about this size, so each
 #: chunk is read from memory once and stays in cache while every row tile passes over it
@@ -58,14 +63,17 @@ class Tiling:
         return max(rows, 2)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None, tiling: Tiling | None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, tiling: Tiling | FixedOrder | None) -> Tensor:
     """``x @ weight + bias`` for ``x`` of shape (rows, in); ``weight`` is stored (in, out).
 
-    Without ``tiling``, one plain matmul (fastest, rounding depends on the number of rows).
-    With it, a row's result is bitwise the same at any batch size and any place in the batch
-    (see ``Tiling``); ``x`` must have ``tiling.padded(n)`` rows. The result is always a new
+    Without ``tiling``, one plain matmul (rounding depends on the number of rows). With it, a
+    row's result is bitwise the same at any batch size and any place in the batch: through the
+    fixed-order kernel (``FixedOrder``, see ``matmul.py``) or the library's probed chunks
+    (``Tiling``); ``x`` must have ``tiling.padded(n)`` rows. The result is always a new
     tensor, never a view of ``x`` or ``weight``, so callers may add into it in place.
     """
+    if isinstance(tiling, FixedOrder):
+        return tiling.matmul(x, weight, bias)
     if tiling is None:
         return torch.matmul(x, weight) if bias is None else torch.addmm(bias, x, weight)
     rows, step = x.shape[0], tiling.rows_for(weight)

@@ -18,10 +18,11 @@ import torch
 from torch import Tensor
 
 from labkit.engine.layers import RopeTable, Tiling, gelu_tanh, layer_norm, linear, rms_norm, rotate, silu
+from labkit.engine.matmul import FixedOrder
 from labkit.errors import UnknownModel
 from labkit.models.loaded import LoadedModel
 
-Tile = Tiling | None  # how the invariant mode multiplies, or None for plain matmuls
+Tile = Tiling | FixedOrder | None  # how the invariant mode multiplies, or None for plain matmuls
 
 
 @dataclass

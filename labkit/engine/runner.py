@@ -32,6 +32,7 @@ from labkit.engine.attention import (
     prefill_attention,
 )
 from labkit.engine.layers import Tiling, probe_chunk_rows
+from labkit.engine.matmul import FixedOrder, choose_matmul
 from labkit.engine.networks import Network, build_network
 from labkit.models.loaded import LoadedModel
 
@@ -93,6 +94,7 @@ class ModelRunner:
         chunk_rows: int = 32,
         max_prefill_tokens: int = 128,
         attention: str = "auto",
+        matmul: str = "auto",
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"ModelRunner dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
@@ -112,14 +114,22 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self.tile_rows = tile_rows
         self.chunk_rows = chunk_rows
+        # the invariant mode's matmul: the fixed-order kernel, or the library's probed chunks (and why)
+        self.matmul = choose_matmul(matmul, self.device, self.dtype)
         # what linear() gets: None = plain matmuls. The probe's answer holds for the thread count
         # it ran under (a kernel may split a reduction differently with more threads), so a
-        # change of torch's thread count re-probes before the next forward (see _tiling_now).
+        # change of torch's thread count re-probes before the next forward (see _tiling_now);
+        # the fixed-order kernel rounds alike on any number of threads and needs no probe.
         self._threads = torch.get_num_threads()
-        self._tile = self._tiling(chunk_rows, tile_rows) if batch_invariant else None
+        self._tile: Tiling | FixedOrder | None = None
+        if batch_invariant:
+            if self.matmul.mode == "kernel":
+                self._tile = FixedOrder.of([w for w, _ in self.network.matmuls()])
+            else:
+                self._tile = self._tiling(chunk_rows, tile_rows)
 
-    def _tiling_now(self) -> Tiling | None:
-        if self._tile is not None and torch.get_num_threads() != self._threads:
+    def _tiling_now(self) -> Tiling | FixedOrder | None:
+        if isinstance(self._tile, Tiling) and torch.get_num_threads() != self._threads:
             self._threads = torch.get_num_threads()
             self._tile = self._tiling(self.chunk_rows, self.tile_rows)
         return self._tile

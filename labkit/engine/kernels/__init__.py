@@ -1,8 +1,9 @@
 """Native kernels, compiled on first use with the machine's C++ compiler and cached.
 
-``paged_decode.cpp`` is plain C++ with OpenMP and no torch headers: it compiles in about a second
-with ``g++`` alone (no ninja, no Python headers) and is called through ``ctypes`` with the
-tensors' data pointers. OpenMP comes from the ``libgomp.so.1`` torch has already loaded, so the
+``paged_decode.cpp`` (decode attention read through the block tables) and ``fixed_matmul.cpp``
+(the batch-invariant mode's matmul) are plain C++ with OpenMP and no torch headers: each compiles
+in about a second with ``g++`` alone (no ninja, no Python headers) and is called through
+``ctypes`` with the tensors' data pointers (ctypes lets go of the GIL for the call). OpenMP comes from the ``libgomp.so.1`` torch has already loaded, so the
 kernel's threads are torch's threads. The shared library lands in ``$XDG_CACHE_HOME/labkit/
 kernels`` (``~/.cache`` by default) under a name that hashes the source, the flags and the CPU,
 and is reused by every later process. When it cannot be built (no compiler, a compile error) the
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
+MATMUL_SOURCE = Path(__file__).with_name("fixed_matmul.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _COMPILER_ENV = "LABKIT_CXX"  # which compiler to use; a path that does not exist forces the fallback
 
@@ -33,14 +35,15 @@ class KernelUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Kernel:
-    """The loaded paged-decode entry point and where it came from."""
+    """A loaded entry point and where it came from."""
 
     function: ctypes._CFuncPtr  # type: ignore[name-defined]
     path: Path
+    vector: bool = True  # fixed_matmul: whether the AVX-512 path was compiled in (else the scalar one)
 
 
 _lock = threading.Lock()
-_loaded: dict[str, Kernel | KernelUnavailable] = {}
+_loaded: dict[tuple[str, str], Kernel | KernelUnavailable] = {}
 
 
 def compiler() -> str:
@@ -53,44 +56,58 @@ def cache_dir() -> Path:
 
 
 def paged_decode_kernel(cxx: str | None = None) -> Kernel:
-    """The compiled kernel, built once per machine and loaded once per process; raises
+    """The compiled attention kernel, built once per machine and loaded once per process; raises
     ``KernelUnavailable`` (with the compiler's reason) when it cannot be had."""
-    cxx = cxx or compiler()
+    return _kernel(SOURCE, cxx or compiler())
+
+
+def fixed_matmul_kernel(cxx: str | None = None) -> Kernel:
+    """The compiled fixed-order matmul (``fixed_matmul.cpp``), as ``paged_decode_kernel``."""
+    return _kernel(MATMUL_SOURCE, cxx or compiler())
+
+
+def _kernel(source: Path, cxx: str) -> Kernel:
     with _lock:
-        if cxx not in _loaded:
+        key = (source.name, cxx)
+        if key not in _loaded:
             try:
-                _loaded[cxx] = _load(cxx)
+                _loaded[key] = _load(source, cxx)
             except KernelUnavailable as err:
-                _loaded[cxx] = err
+                _loaded[key] = err
             except OSError as err:  # an unreadable source, an unwritable cache directory, ...
-                _loaded[cxx] = KernelUnavailable(f"could not build the kernel: {err}")
-        found = _loaded[cxx]
+                _loaded[key] = KernelUnavailable(f"could not build the kernel: {err}")
+        found = _loaded[key]
     if isinstance(found, KernelUnavailable):
         raise found
     return found
 
 
-def _load(cxx: str) -> Kernel:
+def _load(source_path: Path, cxx: str) -> Kernel:
     exe = shutil.which(cxx)
     if exe is None:
         raise KernelUnavailable(f"no C++ compiler {cxx!r} on this machine (install g++, or set {_COMPILER_ENV})")
-    source = SOURCE.read_bytes()
+    source = source_path.read_bytes()
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature() + exe.encode()).hexdigest()[:16]
-    target = cache_dir() / f"paged_decode-{key}.so"
+    target = cache_dir() / f"{source_path.stem}-{key}.so"
     if not target.exists():
-        _compile(exe, target)
+        _compile(exe, source_path, target)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as err:
         raise KernelUnavailable(f"built {target} but could not load it: {err}") from None
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    if source_path == MATMUL_SOURCE:
+        fn = lib.labkit_fixed_matmul
+        fn.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32, i32]
+        fn.restype = i32
+        return Kernel(fn, target, vector=bool(lib.labkit_fixed_matmul_has_vector()))
     fn = lib.labkit_paged_decode
-    fn.restype = ctypes.c_int
-    ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [ptr] * 5 + [ctypes.c_int64] * 2 + [i32] * 8 + [ctypes.c_float, i32]
+    fn.restype = i32
+    fn.argtypes = [ptr] * 5 + [i64] * 2 + [i32] * 8 + [ctypes.c_float, i32]
     return Kernel(fn, target)
 
 
-def _compile(exe: str, target: Path) -> None:
+def _compile(exe: str, source: Path, target: Path) -> None:
     """Build into a temporary file and rename it into place, so two processes building at once
     never load a half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -98,10 +115,10 @@ def _compile(exe: str, target: Path) -> None:
     os.close(fd)
     try:
         done = subprocess.run(
-            [exe, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300, check=False
+            [exe, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True, timeout=300, check=False
         )
         if done.returncode != 0:
-            raise KernelUnavailable(f"{exe} failed to compile {SOURCE.name}: {done.stderr.strip()[-800:]}")
+            raise KernelUnavailable(f"{exe} failed to compile {source.name}: {done.stderr.strip()[-800:]}")
         os.replace(tmp, target)
     except (OSError, subprocess.TimeoutExpired) as err:
         raise KernelUnavailable(f"could not run {exe}: {err}") from None

@@ -1,0 +1,149 @@
+// A matrix product whose every output element is summed in one fixed order: the batch-invariant
+// mode's matmul, as fast as the library's at the decode step's few rows.
+//
+//   y[m, n] = bias[n] + sum over k = 0, 1, ..., K-1 of x[m, k] * w[k, n]
+//
+// Each element is a chain of fused multiply-adds in k order, started from zero, then one add of its
+// bias. A fused multiply-add rounds once, however it is computed (vector or scalar), so the chain
+// gives the same bits whatever the number of rows in the call, which rows share a register tile,
+// how the columns are split between threads, or whether the vector or the scalar path runs. That
+// is batch invariance by construction: no probing, no padding, no tile of a fixed size.
+//
+// Layout (float32):
+//   x      (M, K) rows at stride ldx, k contiguous
+//   packed (P, K, NR) the weight (K, N) cut into P = ceil(N / NR) panels of NR columns, each panel
+//          stored k-major so one k reads NR contiguous floats; columns past N are zero
+//   bias   (N,) or null
+//   y      (M, N) rows at stride ldy
+//
+// The register tile is MR rows x NR columns (8 x 48 with AVX-512: 24 accumulators). Rows are taken
+// in blocks of MC, copied k-major, so that a block's rows stay in cache while every panel passes
+// over them; panels are handed out to threads one at a time (a descheduled thread holds up one
+// panel, not a share of them). None of that changes any element's order.
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int NR = 48;       // columns per panel (3 vectors of 16 floats)
+constexpr int MR = 8;        // rows per register tile
+constexpr int64_t MC = 128;  // rows per cache block
+constexpr double PARALLEL_WORK = 1 << 16;  // multiply-adds below which one thread runs the call
+
+#if defined(__AVX512F__)
+template <int R>
+inline void tile(const float* __restrict__ x, const float* __restrict__ panel, int64_t K,
+                 const float* __restrict__ bias, float* __restrict__ y, int64_t ldy, int cols) {
+    __m512 acc[R][3];
+    for (int i = 0; i < R; ++i)
+        for (int j = 0; j < 3; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+        const float* p = panel + k * NR;
+        const __m512 b0 = _mm512_loadu_ps(p), b1 = _mm512_loadu_ps(p + 16), b2 = _mm512_loadu_ps(p + 32);
+        for (int i = 0; i < R; ++i) {
+            const __m512 a = _mm512_set1_ps(x[k * R + i]);
+            acc[i][0] = _mm512_fmadd_ps(a, b0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(a, b1, acc[i][1]);
+            acc[i][2] = _mm512_fmadd_ps(a, b2, acc[i][2]);
+        }
+    }
+    for (int j = 0; j < 3; ++j) {
+        const int left = cols - 16 * j;
+        if (left <= 0) break;
+        const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+        for (int i = 0; i < R; ++i) {
+            const __m512 v = bias ? _mm512_add_ps(acc[i][j], b) : acc[i][j];
+            _mm512_mask_storeu_ps(y + i * ldy + 16 * j, mask, v);
+        }
+    }
+}
+#endif
+
+// The same chains, one lane at a time with std::fma (which rounds once, as the vector fma does);
+// used where AVX-512 is missing and by the test that checks both paths give the same bits.
+template <int R>
+inline void tile_scalar(const float* __restrict__ x, const float* __restrict__ panel, int64_t K,
+                        const float* __restrict__ bias, float* __restrict__ y, int64_t ldy, int cols) {
+    float acc[R][NR] = {};
+    for (int64_t k = 0; k < K; ++k) {
+        const float* p = panel + k * NR;
+        for (int i = 0; i < R; ++i) {
+            const float a = x[k * R + i];
+            for (int c = 0; c < NR; ++c) acc[i][c] = std::fma(a, p[c], acc[i][c]);
+        }
+    }
+    for (int i = 0; i < R; ++i)
+        for (int c = 0; c < cols; ++c) y[i * ldy + c] = bias ? acc[i][c] + bias[c] : acc[i][c];
+}
+
+using TileFn = void (*)(const float*, const float*, int64_t, const float*, float*, int64_t, int);
+
+#if defined(__AVX512F__)
+constexpr TileFn VECTOR[MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>};
+#endif
+// The scalar path keeps 2 rows per tile: 96 accumulators already fill the vector registers.
+constexpr int MR_SCALAR = 2;
+constexpr TileFn SCALAR[MR_SCALAR + 1] = {nullptr, tile_scalar<1>, tile_scalar<2>};
+
+int run(const float* x, int64_t M, int64_t K, int64_t ldx, const float* packed, int64_t N, const float* bias,
+        float* y, int64_t ldy, int threads, bool vector) {
+    if (M < 0 || K < 1 || N < 1 || ldx < K || ldy < N || threads < 1) return 1;
+    const TileFn* tiles = SCALAR;
+    int mr = MR_SCALAR;
+#if defined(__AVX512F__)
+    if (vector) {
+        tiles = VECTOR;
+        mr = MR;
+    }
+#else
+    (void)vector;
+#endif
+    const int64_t panels = (N + NR - 1) / NR;
+    const bool parallel = threads > 1 && double(M) * double(K) * double(N) >= PARALLEL_WORK && panels > 1;
+    // A block's rows are copied k-major, each tile's rows side by side (a[k * r + i]), so a tile
+    // reads its rows' values for one k from one cache line instead of r lines far apart.
+    std::vector<float> block(size_t(MC < M ? MC : M) * size_t(K));
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t rows = M - m0 < MC ? M - m0 : MC;
+        for (int64_t i = 0; i < rows; i += mr) {
+            const int r = int(rows - i < mr ? rows - i : mr);
+            float* a = block.data() + i * K;
+            for (int64_t k = 0; k < K; ++k)
+                for (int j = 0; j < r; ++j) a[k * r + j] = x[(m0 + i + j) * ldx + k];
+        }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (parallel)
+        for (int64_t p = 0; p < panels; ++p) {
+            const float* panel = packed + p * K * NR;
+            const int cols = int(N - p * NR < NR ? N - p * NR : NR);
+            const float* b = bias ? bias + p * NR : nullptr;
+            for (int64_t i = 0; i < rows; i += mr) {
+                const int r = int(rows - i < mr ? rows - i : mr);
+                tiles[r](block.data() + i * K, panel, K, b, y + (m0 + i) * ldy + p * NR, ldy, cols);
+            }
+        }
+    }
+    return 0;
+}
+
+}  // namespace
+
+extern "C" int labkit_fixed_matmul(const float* x, int64_t M, int64_t K, int64_t ldx, const float* packed, int64_t N,
+                                   const float* bias, float* y, int64_t ldy, int threads, int vector) {
+    return run(x, M, K, ldx, packed, N, bias, y, ldy, threads, vector != 0);
+}
+
+extern "C" int labkit_fixed_matmul_panel_width() { return NR; }
+
+extern "C" int labkit_fixed_matmul_has_vector() {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,133 @@
+"""The batch-invariant mode's matrix product: every output element summed in one fixed order.
+
+``kernels/fixed_matmul.cpp`` computes ``y[m, n] = bias[n] + sum_k x[m, k] * w[k, n]`` as a chain of
+fused multiply-adds in k order for every element. A fused multiply-add rounds once whether a vector
+unit or a scalar loop runs it, so an element's bits depend on its own row and the weight only:
+not on how many rows share the call, which register tile a row lands in, or how the columns are
+split between threads. Batch invariance holds by construction, at any batch size, with no
+padding and no probe (compare ``layers.Tiling``, the library fallback).
+
+The weight is packed once, when the runner starts, into panels of 48 columns stored k-major, so
+the kernel streams each panel contiguously; on the lab's CPU this makes the decode step's few
+rows cheaper than the library's own matmul, which re-packs the weight on every call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from labkit.engine.kernels import KernelUnavailable, fixed_matmul_kernel
+
+PANEL = 48  # columns per panel: fixed_matmul.cpp's NR
+MATMUL_MODES = ("auto", "kernel", "library")
+
+
+@dataclass(frozen=True)
+class MatmulChoice:
+    """How a batch-invariant runner multiplies, and why (shown in benches and logs)."""
+
+    mode: str  # "kernel" (fixed order, fixed_matmul.cpp) or "library" (probed torch.mm chunks)
+    reason: str
+
+
+def choose_matmul(requested: str, device: torch.device, dtype: torch.dtype) -> MatmulChoice:
+    """``"auto"``: the fixed-order kernel where it applies and builds, the library's chunked
+    matmuls otherwise (with the reason). ``"kernel"`` raises ValueError where it cannot be had."""
+    if requested not in MATMUL_MODES:
+        raise ValueError(f"matmul must be one of {MATMUL_MODES}, got {requested!r}")
+    if requested == "library":
+        return MatmulChoice("library", "asked for")
+    why_not = None
+    if device.type != "cpu":
+        why_not = f"the fixed-order kernel is CPU-only; device is {device}"
+    elif dtype != torch.float32:
+        why_not = f"the fixed-order kernel is float32-only; dtype is {dtype}"
+    else:
+        try:
+            fixed_matmul_kernel()
+        except KernelUnavailable as err:
+            why_not = str(err)
+    if why_not is None:
+        return MatmulChoice("kernel", "compiled and loaded" if requested == "kernel" else "auto: kernel available")
+    if requested == "kernel":
+        raise ValueError(f"matmul='kernel' is unavailable: {why_not}")
+    return MatmulChoice("library", f"auto: {why_not}")
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A (in, out) float32 weight cut into panels of ``PANEL`` columns, each stored k-major
+    (panels, in, PANEL); columns past ``out`` are zero."""
+
+    panels: Tensor
+    rows: int  # in
+    cols: int  # out
+
+    @classmethod
+    def pack(cls, weight: Tensor) -> PackedWeight:
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(f"pack: a 2-D float32 CPU weight is needed, got {tuple(weight.shape)} {weight.dtype}")
+        k, n = weight.shape
+        count = -(-n // PANEL)
+        wide = weight.new_zeros(k, count * PANEL)
+        wide[:, :n] = weight
+        return cls(wide.view(k, count, PANEL).permute(1, 0, 2).contiguous(), k, n)
+
+
+def fixed_matmul(x: Tensor, packed: PackedWeight, bias: Tensor | None = None, *, vector: bool = True) -> Tensor:
+    """``x @ weight + bias`` in the fixed order, for ``x`` (rows, in) float32 on the CPU with its
+    last dimension contiguous; a new contiguous tensor (rows, out). ``vector=False`` runs the
+    scalar path (the same bits; the tests compare the two)."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != packed.rows:
+        raise ValueError(
+            f"fixed_matmul: x must be (rows, {packed.rows}) float32 on the CPU, got {tuple(x.shape)} {x.dtype} {x.device}"
+        )
+    if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < packed.rows):
+        x = x.contiguous()
+    if bias is not None and (bias.shape != (packed.cols,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError(f"fixed_matmul: bias must be a contiguous float32 ({packed.cols},), got {tuple(bias.shape)}")
+    out = torch.empty(x.shape[0], packed.cols, dtype=torch.float32)
+    if x.shape[0] == 0:
+        return out
+    status = fixed_matmul_kernel().function(
+        x.data_ptr(),
+        x.shape[0],
+        packed.rows,
+        max(x.stride(0), packed.rows),
+        packed.panels.data_ptr(),
+        packed.cols,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        packed.cols,
+        torch.get_num_threads(),
+        int(vector),
+    )
+    if status != 0:
+        raise ValueError(
+            f"fixed_matmul: the kernel refused x {tuple(x.shape)} against a ({packed.rows}, {packed.cols}) weight"
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class FixedOrder:
+    """What ``layers.linear`` gets in the batch-invariant mode when the kernel builds: each weight's
+    packed panels, by ``id(weight)``. Any number of rows rounds alike, so nothing is padded."""
+
+    packed: dict[int, PackedWeight] = field(repr=False)
+
+    @classmethod
+    def of(cls, weights: list[Tensor]) -> FixedOrder:
+        return cls({id(w): PackedWeight.pack(w) for w in weights})
+
+    def padded(self, rows: int) -> int:
+        return rows
+
+    def matmul(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        packed = self.packed.get(id(weight))
+        if packed is None:
+            raise ValueError(f"a ({weight.shape[0]}, {weight.shape[1]}) weight was not packed when the runner started")
+        return fixed_matmul(x, packed, bias)
