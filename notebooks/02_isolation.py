@@ -21,8 +21,9 @@
 # floating-point sum, and a different order can flip a near tie between two tokens. So we test
 # it: each prompt is streamed alone first, then the first N prompts are streamed at once, N from
 # 1 up, several times, and every concurrent stream is compared token id by token id with its
-# solo run. The engine computes its decode on fixed tiles of rows by default
-# (`batch_invariant=True`), which is meant to make the comparison exact; here it is checked end
+# solo run. By default (`batch_invariant=True`) the engine sums every element of its matrix
+# products in one fixed order, whatever the batch, which is meant to make the comparison exact
+# (`labkit/engine/matmul.py`); here it is checked end
 # to end, over HTTP, with greedy decoding. The counterfactual runs beside it, in the same run on
 # the same loaded model: a second server with `batch_invariant=False` (plain matrix products,
 # whose order of summation may follow the batch's shape) streams the same prompts the same way,

@@ -104,9 +104,9 @@ display(Markdown(found["levels"]))
 #
 # The engine decodes every running sequence in one pass, so a step's cost is a fixed part plus a
 # part per sequence. Both modes are measured in the same run, every (batch, mode) point timed in
-# rounds interleaved with the others: batch-invariant (the engine's default, which runs every
-# decode matmul on row tiles so a row's result does not depend on its neighbours) and plain.
-# Look at whether the invariant mode's small batches cost what its tile-sized batch costs, and
+# rounds interleaved with the others: batch-invariant (the engine's default, which sums each
+# element of every matmul in one fixed order so a row's result does not depend on its neighbours)
+# and plain. Look at whether the invariant mode costs more than the plain one at any batch size, and
 # whether `vs_smaller_batch` says any point is lower than the smaller batch's beyond the noise.
 
 # %%
@@ -188,8 +188,8 @@ chapter.overlap_beside(tables)
 # How to read it: the speedup over back-to-back serving is the direct measure of what overlap
 # buys, and the step-cost lines say where it comes from: where the per-sequence part of a step
 # is small against the fixed part, a step for many costs little more than a step for one. Check
-# that against the plain mode too, since the invariant mode's tiles can make a small batch cost
-# what a full tile costs. The price is paid by each stream in its gap between tokens and, for
+# that against the plain mode too, since the invariant mode multiplies through its own kernel, not
+# the library's. The price is paid by each stream in its gap between tokens and, for
 # requests that arrive together, in the time to first token. A late joiner's first token should
 # take one step of the batch it joins plus its own prefill: compare the joiners' steps with 1,
 # and their seconds with the idle engine's.

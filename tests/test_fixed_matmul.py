@@ -16,7 +16,7 @@ from labkit.engine.config import EngineConfig
 from labkit.engine.engine import BatchEngine
 from labkit.engine.kernels import KernelUnavailable, fixed_matmul_kernel
 from labkit.engine.layers import Tiling, linear
-from labkit.engine.matmul import PANEL, FixedOrder, PackedWeight, choose_matmul, fixed_matmul
+from labkit.engine.matmul import PANEL, FixedOrder, PackedWeight, choose_matmul, fixed_matmul, silu_mul
 from labkit.models import LoadedModel
 from runner_helpers import make_runner, shuffled_tables
 
@@ -124,7 +124,7 @@ def test_without_a_compiler_the_invariant_mode_falls_back_to_the_library(
         BatchEngine(tiny_llama, EngineConfig(matmul="kernel", max_batch=2, num_blocks=64))
     runner = BatchEngine(tiny_llama, EngineConfig(max_batch=2, num_blocks=64)).runner
     assert runner.matmul.mode == "library" and "no C++ compiler" in runner.matmul.reason
-    assert isinstance(runner._tile, Tiling)
+    assert isinstance(runner._tile, Tiling) and not runner.network.native_gate
 
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_gpt2"])
@@ -146,3 +146,34 @@ def test_a_kernel_runner_gives_each_sequence_its_solo_logits(model: str, request
     assert all(torch.equal(mixed[i], solo[i]) for i in range(5))
     reference = torch.stack([library.prefill(p, t) for p, t in zip(prompts, tables)])
     torch.testing.assert_close(solo_first, reference, atol=1e-3, rtol=1e-3)
+
+
+# -- the fused MLP gate -----------------------------------------------------------------------
+def test_the_fused_gate_is_silu_times_up_and_places_nothing_by_position() -> None:
+    """Close to torch's silu * up; each element's bits the same at any row count, any offset in
+    its row (a ragged end goes through the same code as the rest), and on any thread count."""
+    gen = torch.Generator().manual_seed(4)
+    width = 3 * 16 + 5
+    gu = torch.randn(300, 2 * width, generator=gen) * 6
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # past exp's range both ways, and zeros
+    out = silu_mul(gu)
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.cat([silu_mul(gu[i : i + 1]) for i in range(len(gu))]), out)
+    assert torch.isfinite(out).all()
+    # the same values at another place in a row: the same bits
+    moved = torch.cat([gate[:, 7:], gate[:, :7], up[:, 7:], up[:, :7]], dim=1)
+    assert torch.equal(silu_mul(moved), torch.cat([out[:, 7:], out[:, :7]], dim=1))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(silu_mul(gu), out)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="2 \\* width"):
+        silu_mul(torch.randn(2, 5))
+
+
+def test_a_runner_uses_the_fused_gate_where_the_kernels_build(tiny_llama: LoadedModel) -> None:
+    assert make_runner(tiny_llama, num_blocks=16).network.native_gate
+    assert make_runner(tiny_llama, num_blocks=16, batch_invariant=False).network.native_gate

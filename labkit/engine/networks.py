@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from labkit.engine.layers import RopeTable, Tiling, gelu_tanh, layer_norm, linear, rms_norm, rotate, silu
-from labkit.engine.matmul import FixedOrder
+from labkit.engine.matmul import FixedOrder, silu_mul
 from labkit.errors import UnknownModel
 from labkit.models.loaded import LoadedModel
 
@@ -41,6 +41,9 @@ class Network:
 
     shape: Shape
     lm_head: Tensor  # (hidden, vocab): every matmul weight is stored (in, out), see layers.linear
+    # the Llama MLP's gate in one native pass (matmul.silu_mul) instead of five torch ops; the
+    # runner turns it on where the native kernels build (CPU, float32), in both modes
+    native_gate: bool = False
 
     @property
     def vocab_size(self) -> int:
@@ -223,8 +226,13 @@ class LlamaNetwork(Network):
         # bitwise): a layer allocates its outputs and nothing else
         x = linear(attn, w["o_w"], w["o_b"], tile).add_(x)
         h = rms_norm(x, w["norm_post"], self.eps)
-        gate, up = linear(h, w["gate_up_w"], w["gate_up_b"], tile).chunk(2, dim=-1)
-        return linear(silu(gate).mul_(up), w["down_w"], w["down_b"], tile).add_(x)
+        gate_up = linear(h, w["gate_up_w"], w["gate_up_b"], tile)
+        if self.native_gate:
+            gated = silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            gated = silu(gate).mul_(up)
+        return linear(gated, w["down_w"], w["down_b"], tile).add_(x)
 
     def logits(self, x: Tensor, tile: Tile) -> Tensor:
         return linear(rms_norm(x, self.norm, self.eps), self.lm_head, None, tile)

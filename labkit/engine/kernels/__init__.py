@@ -40,6 +40,7 @@ class Kernel:
     function: ctypes._CFuncPtr  # type: ignore[name-defined]
     path: Path
     vector: bool = True  # fixed_matmul: whether the AVX-512 path was compiled in (else the scalar one)
+    silu_mul: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]  # fixed_matmul's fused MLP gate
 
 
 _lock = threading.Lock()
@@ -100,7 +101,10 @@ def _load(source_path: Path, cxx: str) -> Kernel:
         fn = lib.labkit_fixed_matmul
         fn.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32, i32]
         fn.restype = i32
-        return Kernel(fn, target, vector=bool(lib.labkit_fixed_matmul_has_vector()))
+        gate = lib.labkit_silu_mul
+        gate.argtypes = [ptr, i64, i64, i64, ptr, i32]
+        gate.restype = i32
+        return Kernel(fn, target, vector=bool(lib.labkit_fixed_matmul_has_vector()), silu_mul=gate)
     fn = lib.labkit_paged_decode
     fn.restype = i32
     fn.argtypes = [ptr] * 5 + [i64] * 2 + [i32] * 8 + [ctypes.c_float, i32]

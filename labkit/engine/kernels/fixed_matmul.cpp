@@ -22,6 +22,7 @@
 // panel, not a share of them). None of that changes any element's order.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -131,7 +132,63 @@ int run(const float* x, int64_t M, int64_t K, int64_t ldx, const float* packed, 
     return 0;
 }
 
+// ---- silu(gate) * up, the Llama MLP's gate, fused into one pass ---------------------------------
+// out[m, j] = gate / (1 + exp(-gate)) * up for gate = gu[m, j], up = gu[m, I + j]: the same operations
+// as layers.silu followed by mul_, with exp from Cephes' polynomial. Every element goes through the
+// one compiled 16-lane function below (a row's ragged end is copied into a padded chunk, not run by
+// a scalar tail), so an element's bits never depend on where in the tensor it sits. torch's own exp
+// is a parallel op even for a few thousand elements; on a busy 2-core machine each of its calls
+// waits for a descheduled thread, so the step's elementwise work stays on one thread here.
+constexpr int LANES = 16;
+constexpr int64_t PARALLEL_ELEMENTS = 1 << 17;
+
+inline float exp_clamped(float x) {  // exp(x), x clamped to [-87, 88]; relative error ~1e-7
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = std::floor(std::fma(x, 1.44269504088896341f, 0.5f));
+    const float r = std::fma(n, 2.12194440e-4f, std::fma(n, -0.693359375f, x));
+    float p = 1.9875691500e-4f;
+    p = std::fma(p, r, 1.3981999507e-3f);
+    p = std::fma(p, r, 8.3334519073e-3f);
+    p = std::fma(p, r, 4.1665795894e-2f);
+    p = std::fma(p, r, 1.6666665459e-1f);
+    p = std::fma(p, r, 5.0000001201e-1f);
+    p = std::fma(p * r, r, r + 1.0f);
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return p * scale;
+}
+
+__attribute__((noinline)) void silu_mul_chunk(const float* __restrict__ gate, const float* __restrict__ up,
+                                              float* __restrict__ out) {
+    for (int l = 0; l < LANES; ++l) {
+        const float g = gate[l];
+        out[l] = g / (exp_clamped(-g) + 1.0f) * up[l];
+    }
+}
+
+void silu_mul_row(const float* gu, int64_t width, float* out) {
+    int64_t j = 0;
+    for (; j + LANES <= width; j += LANES) silu_mul_chunk(gu + j, gu + width + j, out + j);
+    if (j < width) {
+        float g[LANES] = {}, u[LANES] = {}, o[LANES];
+        std::memcpy(g, gu + j, (width - j) * sizeof(float));
+        std::memcpy(u, gu + width + j, (width - j) * sizeof(float));
+        silu_mul_chunk(g, u, o);
+        std::memcpy(out + j, o, (width - j) * sizeof(float));
+    }
+}
+
 }  // namespace
+
+extern "C" int labkit_silu_mul(const float* gate_up, int64_t rows, int64_t width, int64_t ld, float* out,
+                               int threads) {
+    if (rows < 0 || width < 1 || ld < 2 * width || threads < 1) return 1;
+    const bool parallel = threads > 1 && rows > 1 && rows * width >= PARALLEL_ELEMENTS;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (parallel)
+    for (int64_t m = 0; m < rows; ++m) silu_mul_row(gate_up + m * ld, width, out + m * width);
+    return 0;
+}
 
 extern "C" int labkit_fixed_matmul(const float* x, int64_t M, int64_t K, int64_t ldx, const float* packed, int64_t N,
                                    const float* bias, float* y, int64_t ldy, int threads, int vector) {
