@@ -124,7 +124,7 @@ def test_without_a_compiler_the_invariant_mode_falls_back_to_the_library(
         BatchEngine(tiny_llama, EngineConfig(matmul="kernel", max_batch=2, num_blocks=64))
     runner = BatchEngine(tiny_llama, EngineConfig(max_batch=2, num_blocks=64)).runner
     assert runner.matmul.mode == "library" and "no C++ compiler" in runner.matmul.reason
-    assert isinstance(runner._tile, Tiling) and not runner.network.native_gate
+    assert isinstance(runner._tile, Tiling) and not runner.network.native_ops
 
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_gpt2"])
@@ -175,5 +175,5 @@ def test_the_fused_gate_is_silu_times_up_and_places_nothing_by_position() -> Non
 
 
 def test_a_runner_uses_the_fused_gate_where_the_kernels_build(tiny_llama: LoadedModel) -> None:
-    assert make_runner(tiny_llama, num_blocks=16).network.native_gate
-    assert make_runner(tiny_llama, num_blocks=16, batch_invariant=False).network.native_gate
+    assert make_runner(tiny_llama, num_blocks=16).network.native_ops
+    assert make_runner(tiny_llama, num_blocks=16, batch_invariant=False).network.native_ops

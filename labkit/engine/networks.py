@@ -43,7 +43,7 @@ class Network:
     lm_head: Tensor  # (hidden, vocab): every matmul weight is stored (in, out), see layers.linear
     # the Llama MLP's gate in one native pass (matmul.silu_mul) instead of five torch ops; the
     # runner turns it on where the native kernels build (CPU, float32), in both modes
-    native_gate: bool = False
+    native_ops: bool = False
 
     @property
     def vocab_size(self) -> int:
@@ -227,7 +227,7 @@ class LlamaNetwork(Network):
         x = linear(attn, w["o_w"], w["o_b"], tile).add_(x)
         h = rms_norm(x, w["norm_post"], self.eps)
         gate_up = linear(h, w["gate_up_w"], w["gate_up_b"], tile)
-        if self.native_gate:
+        if self.native_ops:
             gated = silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)

@@ -116,7 +116,7 @@ class ModelRunner:
         self.chunk_rows = chunk_rows
         # the invariant mode's matmul: the fixed-order kernel, or the library's probed chunks (and why)
         self.matmul = choose_matmul(matmul, self.device, self.dtype)
-        self.network.native_gate = choose_matmul("auto", self.device, self.dtype).mode == "kernel"
+        self.network.native_ops = choose_matmul("auto", self.device, self.dtype).mode == "kernel"
         # what linear() gets: None = plain matmuls. The probe's answer holds for the thread count
         # it ran under (a kernel may split a reduction differently with more threads), so a
         # change of torch's thread count re-probes before the next forward (see _tiling_now);

@@ -104,7 +104,8 @@ def _load(source_path: Path, cxx: str) -> Kernel:
         gate = lib.labkit_silu_mul
         gate.argtypes = [ptr, i64, i64, i64, ptr, i32]
         gate.restype = i32
-        return Kernel(fn, target, vector=bool(lib.labkit_fixed_matmul_has_vector()), silu_mul=gate)
+        vector = bool(lib.labkit_fixed_matmul_has_vector())
+        return Kernel(fn, target, vector=vector, silu_mul=gate)
     fn = lib.labkit_paged_decode
     fn.restype = i32
     fn.argtypes = [ptr] * 5 + [i64] * 2 + [i32] * 8 + [ctypes.c_float, i32]
