@@ -16,7 +16,7 @@ from labkit.engine.config import EngineConfig
 from labkit.engine.engine import BatchEngine
 from labkit.engine.kernels import KernelUnavailable, fixed_matmul_kernel
 from labkit.engine.layers import Tiling, linear
-from labkit.engine.matmul import PANEL, FixedOrder, PackedWeight, choose_matmul, fixed_matmul, silu_mul
+from labkit.engine.matmul import PANEL, FixedOrder, PackedWeight, argmax_rows, choose_matmul, fixed_matmul, silu_mul
 from labkit.models import LoadedModel
 from runner_helpers import make_runner, shuffled_tables
 
@@ -177,3 +177,34 @@ def test_the_fused_gate_is_silu_times_up_and_places_nothing_by_position() -> Non
 def test_a_runner_uses_the_fused_gate_where_the_kernels_build(tiny_llama: LoadedModel) -> None:
     assert make_runner(tiny_llama, num_blocks=16).network.native_ops
     assert make_runner(tiny_llama, num_blocks=16, batch_invariant=False).network.native_ops
+
+
+# -- the greedy choice ------------------------------------------------------------------------
+def test_the_native_argmax_picks_what_torch_argmax_picks() -> None:
+    """The first maximum; ties, NaN (torch counts it the largest), all -inf, a ragged width."""
+    gen = torch.Generator().manual_seed(6)
+    for width in (49152, 37, 16, 1):
+        x = torch.randn(12, width, generator=gen)
+        if width > 40:
+            x[1, 100] = x[1, 50] = float("nan")
+            x[2] = float("-inf")
+            x[3, 7] = x[3, 9] = x[3].max() + 1  # a tie: the first wins
+            x[4] = 1.0
+            x[5, -1] = 1e30
+            x[6, -3] = float("nan")
+            x[7, 20:] = float("inf")
+        assert torch.equal(argmax_rows(x), torch.argmax(x, dim=-1)), width
+    strided = torch.randn(4, 64)[:, ::2]
+    assert torch.equal(argmax_rows(strided), torch.argmax(strided, dim=-1))
+    with pytest.raises(ValueError, match="float32"):
+        argmax_rows(torch.randn(2, 5, dtype=torch.float64))
+
+
+def test_the_sampler_takes_the_native_argmax_for_greedy_rows(tiny_llama: LoadedModel) -> None:
+    from labkit.engine.sampling import Sampler
+    from labkit.engine.sequence import SamplingParams, Sequence
+
+    logits = torch.randn(5, 300)
+    seqs = [Sequence(f"r{i}", [1, 2], SamplingParams(max_new_tokens=4), None) for i in range(5)]
+    assert Sampler("cpu", native=True).sample(logits, seqs) == torch.argmax(logits, dim=-1).tolist()
+    assert BatchEngine(tiny_llama, EngineConfig(max_batch=2, num_blocks=64)).sampler.native

@@ -65,7 +65,7 @@ class BatchEngine:
         self.scheduler = Scheduler(self.blocks, config.max_batch)
         self.inbox = Inbox()
         self._eos = eos_ids(model)
-        self.sampler = Sampler(config.device)
+        self.sampler = Sampler(config.device, native=self.runner.network.native_ops)
         self._ids_lock = threading.Lock()
         self._known: dict[str, int] = {}  # request id -> number of the live sequence holding it
         self.current_step = 0

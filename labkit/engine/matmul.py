@@ -132,6 +132,26 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return out
 
 
+def argmax_rows(logits: Tensor) -> Tensor:
+    """``torch.argmax(logits, dim=-1)`` for float32 CPU ``logits`` (rows, vocab) in one native
+    call (``labkit_argmax_rows``): the same indices (first maximum; a NaN counts as the largest),
+    without torch's scalar loop over a step's logits."""
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.shape[1] < 1:
+        raise ValueError(f"argmax_rows: logits must be (rows, vocab) float32 on the CPU, got {tuple(logits.shape)}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    rows, width = logits.shape
+    out = torch.empty(rows, dtype=torch.long)
+    if rows == 0:
+        return out
+    fn = fixed_matmul_kernel().argmax
+    assert fn is not None
+    ld = logits.stride(0) if rows > 1 else width
+    if fn(logits.data_ptr(), rows, width, ld, out.data_ptr(), torch.get_num_threads()) != 0:
+        raise ValueError(f"argmax_rows: the kernel refused logits {tuple(logits.shape)}")
+    return out
+
+
 @dataclass(frozen=True)
 class FixedOrder:
     """What ``layers.linear`` gets in the batch-invariant mode when the kernel builds: each weight's

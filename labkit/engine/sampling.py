@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from labkit.engine.matmul import argmax_rows
 from labkit.engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
@@ -49,16 +50,21 @@ class _Rows:
 
 
 class Sampler:
-    """One token per row; see the module docstring. Call from the step thread only."""
+    """One token per row; see the module docstring. Call from the step thread only.
 
-    def __init__(self, device: str | torch.device) -> None:
+    ``native``: greedy rows take the native row-wise argmax (``matmul.argmax_rows``, the same
+    indices as ``torch.argmax``, several times faster over a step's float32 CPU logits)."""
+
+    def __init__(self, device: str | torch.device, native: bool = False) -> None:
         self.device = torch.device(device)
+        self.native = native and self.device.type == "cpu"
         self._rows: _Rows | None = None
         self._noise: Tensor | None = None  # (rows, vocab) float32, reused from step to step
 
     def sample(self, logits: Tensor, seqs: Seq[Sequence]) -> list[int | None]:
         """Token ids for float32 ``logits`` of shape ``(len(seqs), vocab)``, ``None`` for a row that failed."""
-        greedy = torch.argmax(logits, dim=-1)
+        native = self.native and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0
+        greedy = argmax_rows(logits) if native else torch.argmax(logits, dim=-1)
         sampled = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
         if not sampled:
             return greedy.tolist()

@@ -41,6 +41,7 @@ class Kernel:
     path: Path
     vector: bool = True  # fixed_matmul: whether the AVX-512 path was compiled in (else the scalar one)
     silu_mul: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]  # fixed_matmul's fused MLP gate
+    argmax: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]  # and its row-wise argmax
 
 
 _lock = threading.Lock()
@@ -104,8 +105,11 @@ def _load(source_path: Path, cxx: str) -> Kernel:
         gate = lib.labkit_silu_mul
         gate.argtypes = [ptr, i64, i64, i64, ptr, i32]
         gate.restype = i32
+        argmax = lib.labkit_argmax_rows
+        argmax.argtypes = [ptr, i64, i64, i64, ptr, i32]
+        argmax.restype = i32
         vector = bool(lib.labkit_fixed_matmul_has_vector())
-        return Kernel(fn, target, vector=vector, silu_mul=gate)
+        return Kernel(fn, target, vector=vector, silu_mul=gate, argmax=argmax)
     fn = lib.labkit_paged_decode
     fn.restype = i32
     fn.argtypes = [ptr] * 5 + [i64] * 2 + [i32] * 8 + [ctypes.c_float, i32]

@@ -178,7 +178,53 @@ void silu_mul_row(const float* gu, int64_t width, float* out) {
     }
 }
 
+// ---- greedy choice: the index of each row's largest logit, as torch.argmax picks it ---------------
+// The first index of the maximum, or of the first NaN if the row has one (torch counts NaN as the
+// largest). One vectorized pass finds the maximum and whether a NaN is present, a second finds
+// where it first occurs. torch's argmax over a step's logits runs a scalar loop.
+int64_t argmax_row(const float* __restrict__ x, int64_t width) {
+    float top = -INFINITY;
+    bool nan = false;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __mmask16 unordered = 0;
+    for (; j + LANES <= width; j += LANES) {
+        const __m512 v = _mm512_loadu_ps(x + j);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        best = _mm512_max_ps(best, v);
+    }
+    nan = unordered != 0;
+    top = _mm512_reduce_max_ps(best);
+#endif
+    for (; j < width; ++j) {
+        nan |= x[j] != x[j];
+        top = x[j] > top ? x[j] : top;
+    }
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    const __m512 wanted = _mm512_set1_ps(top);
+    for (; k + LANES <= width; k += LANES) {
+        const __m512 v = _mm512_loadu_ps(x + k);
+        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, wanted, _CMP_EQ_OQ);
+        if (hit) return k + __builtin_ctz(hit);
+    }
+#endif
+    for (; k < width; ++k)
+        if (nan ? x[k] != x[k] : x[k] == top) return k;
+    return 0;  // every entry -inf: the first, as torch gives
+}
+
 }  // namespace
+
+extern "C" int labkit_argmax_rows(const float* x, int64_t rows, int64_t width, int64_t ld, int64_t* out,
+                                  int threads) {
+    if (rows < 0 || width < 1 || ld < width || threads < 1) return 1;
+    const bool parallel = threads > 1 && rows > 1 && rows * width >= (PARALLEL_ELEMENTS << 3);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (parallel)
+    for (int64_t m = 0; m < rows; ++m) out[m] = argmax_row(x + m * ld, width);
+    return 0;
+}
 
 extern "C" int labkit_silu_mul(const float* gate_up, int64_t rows, int64_t width, int64_t ld, float* out,
                                int threads) {
