@@ -1,7 +1,7 @@
 """Native kernels, compiled on first use with the machine's C++ compiler and cached.
 
 ``paged_decode.cpp`` (decode attention read through the block tables) and ``fixed_matmul.cpp``
-(the batch-invariant mode's matmul) are plain C++ with OpenMP and no torch headers: each compiles
+(the batch-invariant mode's matmul, with the fused MLP gate and the greedy argmax) are plain C++ with OpenMP and no torch headers: each compiles
 in about a second with ``g++`` alone (no ninja, no Python headers) and is called through
 ``ctypes`` with the tensors' data pointers (ctypes lets go of the GIL for the call). OpenMP comes from the ``libgomp.so.1`` torch has already loaded, so the
 kernel's threads are torch's threads. The shared library lands in ``$XDG_CACHE_HOME/labkit/
