@@ -78,25 +78,26 @@ class PackedWeight:
 
 
 def fixed_matmul(x: Tensor, packed: PackedWeight, bias: Tensor | None = None, *, vector: bool = True) -> Tensor:
-    """``x @ weight + bias`` in the fixed order, for ``x`` (rows, in) float32 on the CPU with its
-    last dimension contiguous; a new contiguous tensor (rows, out). ``vector=False`` runs the
-    scalar path (the same bits; the tests compare the two)."""
-    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != packed.rows:
+    """``x @ weight + bias`` in the fixed order, for ``x`` (rows, in) float32 on the CPU; a new
+    contiguous tensor (rows, out). ``vector=False`` runs the scalar path (the same bits; the tests
+    compare the two). The checks are the cheap ones a decode step can afford on every call."""
+    if not (x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.shape[1] == packed.rows):
         raise ValueError(
             f"fixed_matmul: x must be (rows, {packed.rows}) float32 on the CPU, got {tuple(x.shape)} {x.dtype} {x.device}"
         )
-    if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < packed.rows):
-        x = x.contiguous()
-    if bias is not None and (bias.shape != (packed.cols,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
+    if bias is not None and not (
+        bias.dtype == torch.float32 and bias.is_cpu and bias.shape == (packed.cols,) and bias.is_contiguous()
+    ):
         raise ValueError(f"fixed_matmul: bias must be a contiguous float32 ({packed.cols},), got {tuple(bias.shape)}")
-    out = torch.empty(x.shape[0], packed.cols, dtype=torch.float32)
-    if x.shape[0] == 0:
-        return out
-    status = fixed_matmul_kernel().function(
+    if not x.is_contiguous():
+        x = x.contiguous()
+    rows = x.shape[0]
+    out = x.new_empty(rows, packed.cols)
+    if rows and _matmul()(
         x.data_ptr(),
-        x.shape[0],
+        rows,
         packed.rows,
-        max(x.stride(0), packed.rows),
+        packed.rows,
         packed.panels.data_ptr(),
         packed.cols,
         None if bias is None else bias.data_ptr(),
@@ -104,12 +105,20 @@ def fixed_matmul(x: Tensor, packed: PackedWeight, bias: Tensor | None = None, *,
         packed.cols,
         torch.get_num_threads(),
         int(vector),
-    )
-    if status != 0:
+    ):
         raise ValueError(
             f"fixed_matmul: the kernel refused x {tuple(x.shape)} against a ({packed.rows}, {packed.cols}) weight"
         )
     return out
+
+
+_FUNCTION: list = []  # the loaded entry point, looked up once (fixed_matmul_kernel takes a lock)
+
+
+def _matmul():  # type: ignore[no-untyped-def]
+    if not _FUNCTION:
+        _FUNCTION.append(fixed_matmul_kernel().function)
+    return _FUNCTION[0]
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:

@@ -37,30 +37,33 @@ constexpr int64_t MC = 128;  // rows per cache block
 constexpr double PARALLEL_WORK = 1 << 16;  // multiply-adds below which one thread runs the call
 
 #if defined(__AVX512F__)
-template <int R>
+// R rows against P neighbouring panels (3 * P vectors of 16 columns). P > 1 only for a call of at
+// most 4 rows: more independent chains, and P panels streamed at once, for the memory-bound case.
+template <int R, int P = 1>
 inline void tile(const float* __restrict__ x, const float* __restrict__ panel, int64_t K,
                  const float* __restrict__ bias, float* __restrict__ y, int64_t ldy, int cols) {
-    __m512 acc[R][3];
+    constexpr int V = 3 * P;
+    const int64_t panel_stride = K * NR;
+    __m512 acc[R][V];
     for (int i = 0; i < R; ++i)
-        for (int j = 0; j < 3; ++j) acc[i][j] = _mm512_setzero_ps();
+        for (int j = 0; j < V; ++j) acc[i][j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; ++k) {
-        const float* p = panel + k * NR;
-        const __m512 b0 = _mm512_loadu_ps(p), b1 = _mm512_loadu_ps(p + 16), b2 = _mm512_loadu_ps(p + 32);
+        __m512 b[V];
+        for (int j = 0; j < V; ++j) b[j] = _mm512_loadu_ps(panel + (j / 3) * panel_stride + k * NR + 16 * (j % 3));
         for (int i = 0; i < R; ++i) {
             const __m512 a = _mm512_set1_ps(x[k * R + i]);
-            acc[i][0] = _mm512_fmadd_ps(a, b0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(a, b1, acc[i][1]);
-            acc[i][2] = _mm512_fmadd_ps(a, b2, acc[i][2]);
+            for (int j = 0; j < V; ++j) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
         }
     }
-    for (int j = 0; j < 3; ++j) {
-        const int left = cols - 16 * j;
-        if (left <= 0) break;
+    for (int j = 0; j < V; ++j) {  // columns of panel j / 3; only the last panel may be ragged
+        const int left = (j / 3 == P - 1 ? cols : NR) - 16 * (j % 3);
+        if (left <= 0) continue;
         const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+        const int64_t at = (j / 3) * NR + 16 * (j % 3);
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + at) : _mm512_setzero_ps();
         for (int i = 0; i < R; ++i) {
-            const __m512 v = bias ? _mm512_add_ps(acc[i][j], b) : acc[i][j];
-            _mm512_mask_storeu_ps(y + i * ldy + 16 * j, mask, v);
+            const __m512 v = bias ? _mm512_add_ps(acc[i][j], bv) : acc[i][j];
+            _mm512_mask_storeu_ps(y + i * ldy + at, mask, v);
         }
     }
 }
@@ -87,10 +90,38 @@ using TileFn = void (*)(const float*, const float*, int64_t, const float*, float
 
 #if defined(__AVX512F__)
 constexpr TileFn VECTOR[MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>};
+constexpr int WIDE_ROWS = 4;  // calls of up to this many rows take several panels per tile
+constexpr int WIDE_PANELS[WIDE_ROWS + 1] = {0, 4, 2, 2, 2};
+constexpr TileFn WIDE[WIDE_ROWS + 1] = {nullptr, tile<1, 4>, tile<2, 2>, tile<3, 2>, tile<4, 2>};
 #endif
 // The scalar path keeps 2 rows per tile: 96 accumulators already fill the vector registers.
 constexpr int MR_SCALAR = 2;
 constexpr TileFn SCALAR[MR_SCALAR + 1] = {nullptr, tile_scalar<1>, tile_scalar<2>};
+
+#if defined(__AVX512F__)
+// A call of at most WIDE_ROWS rows: one tile of all its rows against groups of P panels (the last
+// group's leftover panels one at a time). Each element's chain is the same as in any other tile.
+int run_wide(const float* x, int M, int64_t K, int64_t ldx, const float* packed, int64_t N, const float* bias,
+             float* y, int64_t ldy, int threads, bool parallel) {
+    const int P = WIDE_PANELS[M];
+    const int64_t panels = (N + NR - 1) / NR, groups = (panels + P - 1) / P;
+    std::vector<float> a(size_t(M) * size_t(K));
+    for (int64_t k = 0; k < K; ++k)
+        for (int j = 0; j < M; ++j) a[k * M + j] = x[j * ldx + k];
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (parallel)
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t first = g * P, count = panels - first < P ? panels - first : P;
+        for (int64_t p = first; p < first + count; p += (count == P ? P : 1)) {
+            const float* b = bias ? bias + p * NR : nullptr;
+            const int64_t last = count == P ? first + P - 1 : p;  // the last panel this call covers
+            const int cols = int(N - last * NR < NR ? N - last * NR : NR);
+            const TileFn fn = count == P ? WIDE[M] : VECTOR[M];
+            fn(a.data(), packed + p * K * NR, K, b, y + p * NR, ldy, cols);
+        }
+    }
+    return 0;
+}
+#endif
 
 int run(const float* x, int64_t M, int64_t K, int64_t ldx, const float* packed, int64_t N, const float* bias,
         float* y, int64_t ldy, int threads, bool vector) {
@@ -107,6 +138,9 @@ int run(const float* x, int64_t M, int64_t K, int64_t ldx, const float* packed, 
 #endif
     const int64_t panels = (N + NR - 1) / NR;
     const bool parallel = threads > 1 && double(M) * double(K) * double(N) >= PARALLEL_WORK && panels > 1;
+#if defined(__AVX512F__)
+    if (vector && M <= WIDE_ROWS && M > 0) return run_wide(x, int(M), K, ldx, packed, N, bias, y, ldy, threads, parallel);
+#endif
     // A block's rows are copied k-major, each tile's rows side by side (a[k * r + i]), so a tile
     // reads its rows' values for one k from one cache line instead of r lines far apart.
     std::vector<float> block(size_t(MC < M ? MC : M) * size_t(K));
