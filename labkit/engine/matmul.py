@@ -15,6 +15,7 @@ rows cheaper than the library's own matmul, which re-packs the weight on every c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -112,10 +113,10 @@ def fixed_matmul(x: Tensor, packed: PackedWeight, bias: Tensor | None = None, *,
     return out
 
 
-_FUNCTION: list = []  # the loaded entry point, looked up once (fixed_matmul_kernel takes a lock)
+_FUNCTION: list[Any] = []  # the loaded entry point, looked up once (fixed_matmul_kernel takes a lock)
 
 
-def _matmul():  # type: ignore[no-untyped-def]
+def _matmul() -> Any:
     if not _FUNCTION:
         _FUNCTION.append(fixed_matmul_kernel().function)
     return _FUNCTION[0]
