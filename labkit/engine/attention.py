@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from labkit.engine.kernels import KernelUnavailable, paged_decode_kernel
+from labkit.engine.kernels import paged_decode_kernel, why_unavailable
 
 DEFAULT_SPAN = 64  # positions; widths are multiples of this (and of the block size)
 ATTENTION_MODES = ("auto", "kernel", "gather")
@@ -46,16 +46,7 @@ def choose_attention(requested: str, device: torch.device, dtype: torch.dtype) -
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {requested!r}")
     if requested == "gather":
         return AttentionChoice("gather", "asked for")
-    why_not = None
-    if device.type != "cpu":
-        why_not = f"the paged kernel is CPU-only; device is {device}"
-    elif dtype != torch.float32:
-        why_not = f"the paged kernel is float32-only; dtype is {dtype}"
-    else:
-        try:
-            paged_decode_kernel()
-        except KernelUnavailable as err:
-            why_not = str(err)
+    why_not = why_unavailable("paged kernel", device, dtype, paged_decode_kernel)
     if why_not is None:
         return AttentionChoice("kernel", "compiled and loaded" if requested == "kernel" else "auto: kernel available")
     if requested == "kernel":

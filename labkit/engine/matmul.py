@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from labkit.engine.kernels import KernelUnavailable, fixed_matmul_kernel
+from labkit.engine.kernels import fixed_matmul_kernel, why_unavailable
 
 PANEL = 48  # columns per panel: fixed_matmul.cpp's NR
 MATMUL_MODES = ("auto", "kernel", "library")
@@ -41,16 +41,7 @@ def choose_matmul(requested: str, device: torch.device, dtype: torch.dtype) -> M
         raise ValueError(f"matmul must be one of {MATMUL_MODES}, got {requested!r}")
     if requested == "library":
         return MatmulChoice("library", "asked for")
-    why_not = None
-    if device.type != "cpu":
-        why_not = f"the fixed-order kernel is CPU-only; device is {device}"
-    elif dtype != torch.float32:
-        why_not = f"the fixed-order kernel is float32-only; dtype is {dtype}"
-    else:
-        try:
-            fixed_matmul_kernel()
-        except KernelUnavailable as err:
-            why_not = str(err)
+    why_not = why_unavailable("fixed-order kernel", device, dtype, fixed_matmul_kernel)
     if why_not is None:
         return MatmulChoice("kernel", "compiled and loaded" if requested == "kernel" else "auto: kernel available")
     if requested == "kernel":

@@ -20,8 +20,11 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 MATMUL_SOURCE = Path(__file__).with_name("fixed_matmul.cpp")
@@ -55,6 +58,20 @@ def compiler() -> str:
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "labkit" / "kernels"
+
+
+def why_unavailable(what: str, device: torch.device, dtype: torch.dtype, load: Callable[[], Kernel]) -> str | None:
+    """Why the native ``what`` cannot run for this device and dtype (CPU and float32 only, and it
+    must build here), or None when it can; the runner's choices use it to fall back and say why."""
+    if device.type != "cpu":
+        return f"the {what} is CPU-only; device is {device}"
+    if dtype != torch.float32:
+        return f"the {what} is float32-only; dtype is {dtype}"
+    try:
+        load()
+    except KernelUnavailable as err:
+        return str(err)
+    return None
 
 
 def paged_decode_kernel(cxx: str | None = None) -> Kernel:
