@@ -179,8 +179,11 @@ class Stream:
                 await self._ready.wait()
                 continue
             try:
-                await asyncio.wait_for(self._ready.wait(), timeout)
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: wait_for wraps the wait in a new Task on every
+                # call, and a writer calls this once per token (about 10 us of loop time each).
+                async with asyncio.timeout(timeout):
+                    await self._ready.wait()
+            except TimeoutError:
                 return None
         item = self._items.popleft()
         self._on_take(self, item)

@@ -218,6 +218,7 @@ class Shape:
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
         self.created = int(time.time())
         self.object = "chat.completion" if kind == "chat" else "text_completion"
+        self._frames: dict[bool, tuple[bytes, bytes]] = {}  # token chunks' fixed bytes, by usage_null
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -256,9 +257,37 @@ class Shape:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice]}
 
+    def token_data(self, text: str, usage_null: bool) -> bytes:
+        """``_data(self.chunk(text), usage_null)``, byte for byte, without building the chunk.
+
+        Why: a stream writes one of these per token and they differ only in ``text``, so the
+        rest is encoded once per stream (see :meth:`_token_frame`) and the text is the only JSON
+        encoded per token. A JSON string never holds a raw CR or LF, so the event is one
+        ``data:`` line, as :class:`ServerSentEvent` would write it.
+        """
+        frame = self._frames.get(usage_null) or self._token_frame(usage_null)
+        if frame is _NO_FRAME:
+            return _data(self.chunk(text), usage_null)
+        head, tail = frame
+        return head + json.dumps(text, ensure_ascii=False).encode("utf-8") + tail
+
+    def _token_frame(self, usage_null: bool) -> tuple[bytes, bytes]:
+        """The bytes before and after the text, cut from a chunk encoded with a marker text
+        (:data:`_NO_FRAME` if the marker's encoding is not found exactly once)."""
+        marker = json.dumps(_MARK).encode("ascii")
+        whole = _data(self.chunk(_MARK), usage_null)
+        head, _, tail = whole.partition(marker)
+        frame = (head, tail) if whole.count(marker) == 1 else _NO_FRAME
+        self._frames[usage_null] = frame
+        return frame
+
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [], "usage": self.usage(completion_tokens)}
+
+
+_MARK = "\x00labkit-token-text\x00"  # stands in for a token's text while a stream's chunk frame is built
+_NO_FRAME = (b"", b"")  # a Shape whose fixed fields hold the marker itself: encode each chunk whole
 
 
 def _data(payload: dict[str, Any] | str, usage_null: bool = False) -> bytes:
@@ -279,7 +308,7 @@ async def stream_chunks(service: Service, stream: Stream, shape: Shape, include_
             if item is None:
                 yield PING.data
             elif isinstance(item, TokenEvent):
-                yield (padding(pad) if pad else b"") + _data(shape.chunk(item.text), include_usage)
+                yield (padding(pad) if pad else b"") + shape.token_data(item.text, include_usage)
             elif isinstance(item, FinishEvent) and item.reason in _FINISH:
                 yield _data(shape.chunk(None, _FINISH[item.reason]), include_usage)
                 if include_usage:
