@@ -21,8 +21,9 @@ from labkit.models import LoadedModel
 from runner_helpers import make_runner, shuffled_tables
 
 CPU = torch.device("cpu")
-# in x out: whole panels, a ragged last panel, narrower than one panel, one column
-SHAPES = [(96, 2 * PANEL), (64, 100), (37, 20), (8, 1)]
+# in x out: whole panels, a ragged last panel, narrower than one panel, one column, and widths whose
+# last group of panels is short or ragged for the few-row tiles (which take 2 or 4 panels at once)
+SHAPES = [(96, 2 * PANEL), (64, 100), (37, 20), (8, 1), (40, 4 * PANEL - 5), (33, 2 * PANEL - 4), (5, 5 * PANEL + 1)]
 
 
 def _case(k: int, n: int, rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -36,15 +37,18 @@ def test_every_row_has_its_solo_bits_at_every_batch_size(k: int, n: int) -> None
     x, w, b = _case(k, n, 150)
     packed = PackedWeight.pack(w)
     alone = torch.cat([fixed_matmul(x[i : i + 1], packed, b) for i in range(len(x))])
-    for rows in (1, 2, 7, 8, 9, 17, 32, 129, 150):
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 17, 32, 129, 150):
         assert torch.equal(fixed_matmul(x[:rows], packed, b), alone[:rows]), rows
     shuffled = torch.randperm(len(x), generator=torch.Generator().manual_seed(1))
     assert torch.equal(fixed_matmul(x[shuffled], packed, b), alone[shuffled])
     torch.testing.assert_close(alone, x @ w + b, atol=1e-4, rtol=1e-4)
 
 
-def test_the_vector_and_scalar_paths_and_any_thread_count_give_the_same_bits() -> None:
-    x, w, b = _case(200, 3 * PANEL + 5, 40, seed=2)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 40])
+def test_the_vector_and_scalar_paths_and_any_thread_count_give_the_same_bits(rows: int) -> None:
+    """Where AVX-512 is compiled in, the vector tiles (several panels at once for up to 4 rows)
+    against the scalar chains; on any machine, one thread against two."""
+    x, w, b = _case(200, 7 * PANEL + 5, rows, seed=2)
     packed = PackedWeight.pack(w)
     before = torch.get_num_threads()
     try:
@@ -66,6 +70,11 @@ def test_a_row_is_a_fused_multiply_add_chain_in_k_order() -> None:
     assert fixed_matmul(x, PackedWeight.pack(w)).item() == 0.0  # (1e8 + 1) rounds to 1e8, then - 1e8
     x2 = torch.tensor([[1e8, -1e8, 1.0]])
     assert fixed_matmul(x2, PackedWeight.pack(w)).item() == 1.0
+    # fused: c + a*b rounded once. With c = -(1 + 2**-11) and a = b = 1 + 2**-12, a*b = 1 + 2**-11 +
+    # 2**-24 exactly; rounded first (a separate multiply) it loses the 2**-24 and the sum is 0.
+    c, a = -(1 + 2**-11), 1 + 2**-12
+    fused = fixed_matmul(torch.tensor([[c, a]]), PackedWeight.pack(torch.tensor([[1.0], [a]])))
+    assert fused.item() == 2**-24
 
 
 def test_linear_takes_the_kernel_without_padding_and_returns_a_new_tensor() -> None:
@@ -95,6 +104,14 @@ def test_what_it_cannot_multiply_is_refused_before_native_code_runs() -> None:
     with pytest.raises(ValueError, match="2-D float32"):
         PackedWeight.pack(torch.randn(4, 4, dtype=torch.bfloat16))
     assert fixed_matmul(torch.randn(0, 16), packed).shape == (0, 10)
+    with pytest.raises(ValueError, match="panels must be"):  # would read past the panels' end
+        PackedWeight(torch.ones(1, 4, PANEL), rows=4, cols=PANEL * 4000)
+    with pytest.raises(ValueError, match="non-empty"):
+        PackedWeight.pack(torch.randn(0, 4))
+    with pytest.raises(ValueError, match="bias"):
+        fixed_matmul(torch.randn(2, 16), packed, torch.randn(20)[::2])
+    with pytest.raises(ValueError, match="not packed"):
+        FixedOrder.of([w]).matmul(torch.randn(2, 16), w[:, :5], None)
 
 
 # -- choosing, and the runner that uses it ----------------------------------------------------
@@ -176,7 +193,9 @@ def test_the_fused_gate_is_silu_times_up_and_places_nothing_by_position() -> Non
 
 def test_a_runner_uses_the_fused_gate_where_the_kernels_build(tiny_llama: LoadedModel) -> None:
     assert make_runner(tiny_llama, num_blocks=16).network.native_ops
-    assert make_runner(tiny_llama, num_blocks=16, batch_invariant=False).network.native_ops
+    plain = make_runner(tiny_llama, num_blocks=16, batch_invariant=False)
+    assert plain.network.native_ops and plain.matmul.mode == "library" and plain._tile is None
+    assert not make_runner(tiny_llama, num_blocks=16, matmul="library").network.native_ops
 
 
 # -- the greedy choice ------------------------------------------------------------------------
@@ -185,6 +204,11 @@ def test_the_native_argmax_picks_what_torch_argmax_picks() -> None:
     gen = torch.Generator().manual_seed(6)
     for width in (49152, 37, 16, 1):
         x = torch.randn(12, width, generator=gen)
+        if width == 37:  # the special values in the scalar tail (past the last 16 lanes)
+            x[1, 35] = float("nan")
+            x[2, 33] = float("inf")
+            x[3, 34] = x[3, 36] = x[3].max() + 1
+            x[4] = float("-inf")
         if width > 40:
             x[1, 100] = x[1, 50] = float("nan")
             x[2] = float("-inf")
@@ -196,15 +220,30 @@ def test_the_native_argmax_picks_what_torch_argmax_picks() -> None:
         assert torch.equal(argmax_rows(x), torch.argmax(x, dim=-1)), width
     strided = torch.randn(4, 64)[:, ::2]
     assert torch.equal(argmax_rows(strided), torch.argmax(strided, dim=-1))
+    expanded = torch.randn(1, 40).expand(3, 40)  # rows at stride 0
+    assert torch.equal(argmax_rows(expanded), torch.argmax(expanded, dim=-1))
     with pytest.raises(ValueError, match="float32"):
         argmax_rows(torch.randn(2, 5, dtype=torch.float64))
 
 
-def test_the_sampler_takes_the_native_argmax_for_greedy_rows(tiny_llama: LoadedModel) -> None:
+def test_the_sampler_takes_the_native_argmax_for_greedy_rows(
+    tiny_llama: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from labkit.engine.sampling import Sampler
     from labkit.engine.sequence import SamplingParams, Sequence
 
+    import labkit.engine.sampling as sampling
+
+    calls: list[int] = []
+
+    def counting(logits: torch.Tensor) -> torch.Tensor:
+        calls.append(len(logits))
+        return argmax_rows(logits)
+
     logits = torch.randn(5, 300)
     seqs = [Sequence(f"r{i}", [1, 2], SamplingParams(max_new_tokens=4), None) for i in range(5)]
+    monkeypatch.setattr(sampling, "argmax_rows", counting)
     assert Sampler("cpu", native=True).sample(logits, seqs) == torch.argmax(logits, dim=-1).tolist()
+    assert calls == [5]
+    assert Sampler("cpu").sample(logits, seqs) == torch.argmax(logits, dim=-1).tolist() and calls == [5]
     assert BatchEngine(tiny_llama, EngineConfig(max_batch=2, num_blocks=64)).sampler.native

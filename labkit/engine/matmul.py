@@ -5,11 +5,12 @@ fused multiply-adds in k order for every element. A fused multiply-add rounds on
 unit or a scalar loop runs it, so an element's bits depend on its own row and the weight only:
 not on how many rows share the call, which register tile a row lands in, or how the columns are
 split between threads. Batch invariance holds by construction, at any batch size, with no
-padding and no probe (compare ``layers.Tiling``, the library fallback).
+padding and no probe (compare ``layers.Tiling``, the library fallback). (It assumes every thread
+treats subnormal numbers alike, as they do unless a caller sets flush-to-zero on one thread.)
 
 The weight is packed once, when the runner starts, into panels of 48 columns stored k-major, so
-the kernel streams each panel contiguously; on the lab's CPU this makes the decode step's few
-rows cheaper than the library's own matmul, which re-packs the weight on every call.
+the kernel streams each panel contiguously instead of re-packing the weight on every call as the
+library does; ``labkit bench step`` shows what that is worth beside the library's matmuls.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def choose_matmul(requested: str, device: torch.device, dtype: torch.dtype) -> M
     return MatmulChoice("library", f"auto: {why_not}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PackedWeight:
     """A (in, out) float32 weight cut into panels of ``PANEL`` columns, each stored k-major
     (panels, in, PANEL); columns past ``out`` are zero."""
@@ -58,10 +59,29 @@ class PackedWeight:
     rows: int  # in
     cols: int  # out
 
+    def __post_init__(self) -> None:
+        """What the kernel will read, checked once here (however the object was made), so that no
+        call can send it past the panels' end."""
+        p = self.panels
+        if not (
+            self.rows >= 1
+            and self.cols >= 1
+            and p.dtype == torch.float32
+            and p.is_cpu
+            and p.is_contiguous()
+            and tuple(p.shape) == (-(-self.cols // PANEL), self.rows, PANEL)
+        ):
+            raise ValueError(
+                f"PackedWeight: panels must be contiguous float32 ({-(-self.cols // PANEL)}, {self.rows}, {PANEL}) "
+                f"for a ({self.rows}, {self.cols}) weight, got {tuple(p.shape)} {p.dtype}"
+            )
+
     @classmethod
     def pack(cls, weight: Tensor) -> PackedWeight:
-        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-            raise ValueError(f"pack: a 2-D float32 CPU weight is needed, got {tuple(weight.shape)} {weight.dtype}")
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" or 0 in weight.shape:
+            raise ValueError(
+                f"pack: a non-empty 2-D float32 CPU weight is needed, got {tuple(weight.shape)} {weight.dtype}"
+            )
         k, n = weight.shape
         count = -(-n // PANEL)
         wide = weight.new_zeros(k, count * PANEL)
@@ -119,7 +139,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     element is computed by the same code wherever it sits, so rows stay independent."""
     if gate_up.dim() != 2 or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or gate_up.shape[1] % 2:
         raise ValueError(f"silu_mul: gate_up must be (rows, 2 * width) float32 on the CPU, got {tuple(gate_up.shape)}")
-    if gate_up.stride(1) != 1:
+    if gate_up.stride(1) != 1 or (gate_up.shape[0] > 1 and gate_up.stride(0) < gate_up.shape[1]):
         gate_up = gate_up.contiguous()
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, width, dtype=torch.float32)
@@ -139,7 +159,7 @@ def argmax_rows(logits: Tensor) -> Tensor:
     without torch's scalar loop over a step's logits."""
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.shape[1] < 1:
         raise ValueError(f"argmax_rows: logits must be (rows, vocab) float32 on the CPU, got {tuple(logits.shape)}")
-    if logits.stride(1) != 1:
+    if logits.stride(1) != 1 or (logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]):
         logits = logits.contiguous()
     rows, width = logits.shape
     out = torch.empty(rows, dtype=torch.long)
@@ -153,10 +173,14 @@ def argmax_rows(logits: Tensor) -> Tensor:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class FixedOrder:
     """What ``layers.linear`` gets in the batch-invariant mode when the kernel builds: each weight's
-    packed panels, by ``id(weight)``. Any number of rows rounds alike, so nothing is padded."""
+    packed panels, by ``id(weight)``. Any number of rows rounds alike, so nothing is padded.
+
+    The panels are a copy, made when the runner starts: the invariant mode holds every matmul
+    weight twice (the (in, out) original serves the plain mode and the bench's floor), and a weight
+    changed in place afterwards is not seen here."""
 
     packed: dict[int, PackedWeight] = field(repr=False)
 
@@ -169,6 +193,6 @@ class FixedOrder:
 
     def matmul(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         packed = self.packed.get(id(weight))
-        if packed is None:
+        if packed is None or (packed.rows, packed.cols) != tuple(weight.shape):
             raise ValueError(f"a ({weight.shape[0]}, {weight.shape[1]}) weight was not packed when the runner started")
         return fixed_matmul(x, packed, bias)

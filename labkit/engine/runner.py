@@ -7,12 +7,12 @@ offset ``p % block_size``.
 
 Prefill runs the prompts admitted together in one packed pass, each with its own positions and
 blocks; decode runs one token for each of many sequences in one pass. With ``batch_invariant``
-(the default) every matmul, prefill and decode, goes through calls whose rounding was checked at
-start-up not to depend on the number of rows (``layers.Tiling``, ``probe_chunk_rows``), each
-prompt attends over its own rows only, and each decoding sequence's attention has a shape set by
-its own length (see ``layers.py`` and ``attention.py``), so a sequence's logits are bitwise the
-same whether it is prefilled or decoded alone or beside any neighbours; the tests check exactly
-that. The check runs in the thread count of the moment: set threads before making the runner.
+(the default) every matmul, prefill and decode, sums each element in one fixed order whatever the
+number of rows (the fixed-order kernel, ``matmul.py``; where it cannot be built, calls whose
+rounding was checked at start-up, ``layers.Tiling``, ``probe_chunk_rows``), each prompt attends
+over its own rows only, and each decoding sequence's attention has a shape set by its own length
+(see ``attention.py``), so a sequence's logits are bitwise the same whether it is prefilled or
+decoded alone or beside any neighbours; the tests check exactly that.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from labkit.engine.attention import (
     prefill_attention,
 )
 from labkit.engine.layers import Tiling, probe_chunk_rows
-from labkit.engine.matmul import FixedOrder, choose_matmul
+from labkit.engine.matmul import FixedOrder, MatmulChoice, choose_matmul
 from labkit.engine.networks import Network, build_network
 from labkit.models.loaded import LoadedModel
 
@@ -116,7 +116,13 @@ class ModelRunner:
         self.chunk_rows = chunk_rows
         # the invariant mode's matmul: the fixed-order kernel, or the library's probed chunks (and why)
         self.matmul = choose_matmul(matmul, self.device, self.dtype)
-        self.network.native_ops = choose_matmul("auto", self.device, self.dtype).mode == "kernel"
+        if not batch_invariant:
+            self.matmul = MatmulChoice("library", "plain mode: torch's matmuls")
+        # the fused MLP gate and the greedy argmax come with the kernels, in both modes, unless
+        # the library's ops were asked for
+        self.network.native_ops = (
+            matmul != "library" and choose_matmul("auto", self.device, self.dtype).mode == "kernel"
+        )
         # what linear() gets: None = plain matmuls. The probe's answer holds for the thread count
         # it ran under (a kernel may split a reduction differently with more threads), so a
         # change of torch's thread count re-probes before the next forward (see _tiling_now);

@@ -167,8 +167,9 @@ int run(const float* x, int64_t M, int64_t K, int64_t ldx, const float* packed, 
 }
 
 // ---- silu(gate) * up, the Llama MLP's gate, fused into one pass ---------------------------------
-// out[m, j] = gate / (1 + exp(-gate)) * up for gate = gu[m, j], up = gu[m, I + j]: the same operations
-// as layers.silu followed by mul_, with exp from Cephes' polynomial. Every element goes through the
+// out[m, j] = gate / (1 + exp(-gate)) * up for gate = gu[m, j], up = gu[m, I + j]: layers.silu's
+// formula followed by mul_, with exp from Cephes' polynomial over a clamped range (so a gate below
+// -88 gives a tiny number where torch gives -0, and -inf gives -inf where torch gives NaN). Every element goes through the
 // one compiled 16-lane function below (a row's ragged end is copied into a padded chunk, not run by
 // a scalar tail), so an element's bits never depend on where in the tensor it sits. torch's own exp
 // is a parallel op even for a few thousand elements; on a busy 2-core machine each of its calls
@@ -184,7 +185,7 @@ __attribute__((noinline)) void silu_mul_chunk(const float* __restrict__ gate, co
     int32_t bits[LANES];
     for (int l = 0; l < LANES; ++l) {
         float x = -gate[l];
-        x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+        x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : (x == x ? x : 0.0f));  // a NaN gate stays NaN below
         const float n = std::fma(x, 1.44269504088896341f, 12582912.0f) - 12582912.0f;  // round(x / ln 2)
         const float r = std::fma(n, 2.12194440e-4f, std::fma(n, -0.693359375f, x));
         float p = 1.9875691500e-4f;
