@@ -60,11 +60,12 @@ inline void weighted_rows(float* __restrict__ y, const float* __restrict__ w, co
 }
 
 // exp(x) for x <= 0 (scores minus their maximum), Cephes' expf polynomial, written so the compiler
-// vectorizes a loop of it (std::exp is a scalar libm call): n = round(x / ln 2), r = x - n ln 2,
+// vectorizes a loop of it (std::exp and std::floor are scalar calls): n = round(x / ln 2), r = x - n ln 2,
 // exp(r) by a degree-6 polynomial, times 2^n through the exponent bits. Relative error ~1e-7.
 inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
-    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2); std::floor
+                                                                            // would keep the loop scalar
     const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -74,9 +75,7 @@ inline float exp_nonpositive(float x) {
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
     const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
-    return p * scale;
+    return p * __builtin_bit_cast(float, bits);  // memcpy here would keep the loop scalar
 }
 
 // Each head's scores start on a 64-byte boundary, in every thread's buffer alike, so no loop over
