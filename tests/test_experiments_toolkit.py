@@ -278,7 +278,9 @@ def test_raw_client_records_a_stream_the_server_cut_as_cut_not_as_an_error():
 
 
 def test_a_raw_read_that_runs_out_of_time_is_an_error(server):
-    r = run_sync(raw_stream(server.url, LONG, sleep=0.05, timeout=0.3))
+    """256 bytes every 0.05 s reads the ~14 kB of a 200-token stream in about 3 s, however fast
+    the engine: the 0.3 s bound comes first."""
+    r = run_sync(raw_stream(server.url, LONG, sleep=0.05, read_bytes=256, timeout=0.3))
     assert r.error is not None and r.error.startswith("TimeoutError") and r.left == "fin"
 
 
