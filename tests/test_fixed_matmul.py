@@ -16,7 +16,7 @@ from labkit.engine.config import EngineConfig
 from labkit.engine.engine import BatchEngine
 from labkit.engine.kernels import KernelUnavailable, fixed_matmul_kernel
 from labkit.engine.layers import Tiling, linear
-from labkit.engine.matmul import PANEL, FixedOrder, PackedWeight, argmax_rows, choose_matmul, fixed_matmul, silu_mul
+from labkit.engine.matmul import PANEL, FixedOrder, PackedWeight, choose_matmul, fixed_matmul
 from labkit.models import LoadedModel
 from runner_helpers import make_runner, shuffled_tables
 
@@ -163,87 +163,3 @@ def test_a_kernel_runner_gives_each_sequence_its_solo_logits(model: str, request
     assert all(torch.equal(mixed[i], solo[i]) for i in range(5))
     reference = torch.stack([library.prefill(p, t) for p, t in zip(prompts, tables)])
     torch.testing.assert_close(solo_first, reference, atol=1e-3, rtol=1e-3)
-
-
-# -- the fused MLP gate -----------------------------------------------------------------------
-def test_the_fused_gate_is_silu_times_up_and_places_nothing_by_position() -> None:
-    """Close to torch's silu * up; each element's bits the same at any row count, any offset in
-    its row (a ragged end goes through the same code as the rest), and on any thread count."""
-    gen = torch.Generator().manual_seed(4)
-    width = 3 * 16 + 5
-    gu = torch.randn(300, 2 * width, generator=gen) * 6
-    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # past exp's range both ways, and zeros
-    out = silu_mul(gu)
-    gate, up = gu.chunk(2, dim=-1)
-    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
-    assert torch.equal(torch.cat([silu_mul(gu[i : i + 1]) for i in range(len(gu))]), out)
-    assert torch.isfinite(out).all()
-    # the same values at another place in a row: the same bits
-    moved = torch.cat([gate[:, 7:], gate[:, :7], up[:, 7:], up[:, :7]], dim=1)
-    assert torch.equal(silu_mul(moved), torch.cat([out[:, 7:], out[:, :7]], dim=1))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(silu_mul(gu), out)
-    finally:
-        torch.set_num_threads(before)
-    with pytest.raises(ValueError, match="2 \\* width"):
-        silu_mul(torch.randn(2, 5))
-
-
-def test_a_runner_uses_the_fused_gate_where_the_kernels_build(tiny_llama: LoadedModel) -> None:
-    assert make_runner(tiny_llama, num_blocks=16).network.native_ops
-    plain = make_runner(tiny_llama, num_blocks=16, batch_invariant=False)
-    assert plain.network.native_ops and plain.matmul.mode == "library" and plain._tile is None
-    assert not make_runner(tiny_llama, num_blocks=16, matmul="library").network.native_ops
-
-
-# -- the greedy choice ------------------------------------------------------------------------
-def test_the_native_argmax_picks_what_torch_argmax_picks() -> None:
-    """The first maximum; ties, NaN (torch counts it the largest), all -inf, a ragged width."""
-    gen = torch.Generator().manual_seed(6)
-    for width in (49152, 37, 16, 1):
-        x = torch.randn(12, width, generator=gen)
-        if width == 37:  # the special values in the scalar tail (past the last 16 lanes)
-            x[1, 35] = float("nan")
-            x[2, 33] = float("inf")
-            x[3, 34] = x[3, 36] = x[3].max() + 1
-            x[4] = float("-inf")
-        if width > 40:
-            x[1, 100] = x[1, 50] = float("nan")
-            x[2] = float("-inf")
-            x[3, 7] = x[3, 9] = x[3].max() + 1  # a tie: the first wins
-            x[4] = 1.0
-            x[5, -1] = 1e30
-            x[6, -3] = float("nan")
-            x[7, 20:] = float("inf")
-        assert torch.equal(argmax_rows(x), torch.argmax(x, dim=-1)), width
-    strided = torch.randn(4, 64)[:, ::2]
-    assert torch.equal(argmax_rows(strided), torch.argmax(strided, dim=-1))
-    expanded = torch.randn(1, 40).expand(3, 40)  # rows at stride 0
-    assert torch.equal(argmax_rows(expanded), torch.argmax(expanded, dim=-1))
-    with pytest.raises(ValueError, match="float32"):
-        argmax_rows(torch.randn(2, 5, dtype=torch.float64))
-
-
-def test_the_sampler_takes_the_native_argmax_for_greedy_rows(
-    tiny_llama: LoadedModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from labkit.engine.sampling import Sampler
-    from labkit.engine.sequence import SamplingParams, Sequence
-
-    import labkit.engine.sampling as sampling
-
-    calls: list[int] = []
-
-    def counting(logits: torch.Tensor) -> torch.Tensor:
-        calls.append(len(logits))
-        return argmax_rows(logits)
-
-    logits = torch.randn(5, 300)
-    seqs = [Sequence(f"r{i}", [1, 2], SamplingParams(max_new_tokens=4), None) for i in range(5)]
-    monkeypatch.setattr(sampling, "argmax_rows", counting)
-    assert Sampler("cpu", native=True).sample(logits, seqs) == torch.argmax(logits, dim=-1).tolist()
-    assert calls == [5]
-    assert Sampler("cpu").sample(logits, seqs) == torch.argmax(logits, dim=-1).tolist() and calls == [5]
-    assert BatchEngine(tiny_llama, EngineConfig(max_batch=2, num_blocks=64)).sampler.native

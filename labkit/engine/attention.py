@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -139,7 +140,7 @@ def paged_decode(q: Tensor, pool: Tensor, paged: PagedTables) -> Tensor:
     if q.stride(2) != 1 or not pool.is_contiguous():
         raise ValueError("paged_decode: q's last dimension and the pool must be contiguous")
     out = torch.empty(rows, heads * dim, dtype=torch.float32)
-    status = paged_decode_kernel().function(
+    status = _paged_function()(
         q.data_ptr(),
         pool.data_ptr(),
         paged.tables.data_ptr(),
@@ -161,6 +162,15 @@ def paged_decode(q: Tensor, pool: Tensor, paged: PagedTables) -> Tensor:
     if status != 0:
         raise ValueError(f"paged_decode kernel refused its arguments (status {status})")
     return out
+
+
+_FUNCTION: list[Any] = []  # the loaded entry point, looked up once (paged_decode_kernel takes a lock)
+
+
+def _paged_function() -> Any:
+    if not _FUNCTION:
+        _FUNCTION.append(paged_decode_kernel().function)
+    return _FUNCTION[0]
 
 
 @dataclass

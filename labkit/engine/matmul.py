@@ -133,46 +133,6 @@ def _matmul() -> Any:
     return _FUNCTION[0]
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
-    """``silu(gate) * up`` for ``gate_up`` (rows, 2 * width) holding gate then up, in one native
-    pass (``labkit_silu_mul``): the Llama MLP's gate without five parallel torch ops. Every
-    element is computed by the same code wherever it sits, so rows stay independent."""
-    if gate_up.dim() != 2 or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or gate_up.shape[1] % 2:
-        raise ValueError(f"silu_mul: gate_up must be (rows, 2 * width) float32 on the CPU, got {tuple(gate_up.shape)}")
-    if gate_up.stride(1) != 1 or (gate_up.shape[0] > 1 and gate_up.stride(0) < gate_up.shape[1]):
-        gate_up = gate_up.contiguous()
-    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, width, dtype=torch.float32)
-    if rows == 0:
-        return out
-    fn = fixed_matmul_kernel().silu_mul
-    assert fn is not None
-    ld = gate_up.stride(0) if rows > 1 else 2 * width
-    if fn(gate_up.data_ptr(), rows, width, ld, out.data_ptr(), torch.get_num_threads()) != 0:
-        raise ValueError(f"silu_mul: the kernel refused gate_up {tuple(gate_up.shape)}")
-    return out
-
-
-def argmax_rows(logits: Tensor) -> Tensor:
-    """``torch.argmax(logits, dim=-1)`` for float32 CPU ``logits`` (rows, vocab) in one native
-    call (``labkit_argmax_rows``): the same indices (first maximum; a NaN counts as the largest),
-    without torch's scalar loop over a step's logits."""
-    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.shape[1] < 1:
-        raise ValueError(f"argmax_rows: logits must be (rows, vocab) float32 on the CPU, got {tuple(logits.shape)}")
-    if logits.stride(1) != 1 or (logits.shape[0] > 1 and logits.stride(0) < logits.shape[1]):
-        logits = logits.contiguous()
-    rows, width = logits.shape
-    out = torch.empty(rows, dtype=torch.long)
-    if rows == 0:
-        return out
-    fn = fixed_matmul_kernel().argmax
-    assert fn is not None
-    ld = logits.stride(0) if rows > 1 else width
-    if fn(logits.data_ptr(), rows, width, ld, out.data_ptr(), torch.get_num_threads()) != 0:
-        raise ValueError(f"argmax_rows: the kernel refused logits {tuple(logits.shape)}")
-    return out
-
-
 @dataclass(frozen=True, eq=False)
 class FixedOrder:
     """What ``layers.linear`` gets in the batch-invariant mode when the kernel builds: each weight's

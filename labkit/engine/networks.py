@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from labkit.engine import rowwise
 from labkit.engine.layers import RopeTable, Tiling, gelu_tanh, layer_norm, linear, rms_norm, rotate, silu
-from labkit.engine.matmul import FixedOrder, silu_mul
+from labkit.engine.matmul import FixedOrder
 from labkit.errors import UnknownModel
 from labkit.models.loaded import LoadedModel
 
@@ -41,8 +42,9 @@ class Network:
 
     shape: Shape
     lm_head: Tensor  # (hidden, vocab): every matmul weight is stored (in, out), see layers.linear
-    # the Llama MLP's gate in one native pass (matmul.silu_mul) instead of five torch ops; the
-    # runner turns it on where the native kernels build (CPU, float32), in both modes
+    # the row-wise work between the matmuls (RMSNorm after the residual add, rotary positions, the
+    # MLP gate) in native passes (rowwise.py) instead of torch's many small ops; the runner turns
+    # it on where the kernels build (CPU, float32), in both modes
     native_ops: bool = False
 
     @property
@@ -213,29 +215,40 @@ class LlamaNetwork(Network):
     def positional(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         return self.rope.lookup(positions)
 
+    def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        return rowwise.rms_norm(x, weight, self.eps) if self.native_ops else rms_norm(x, weight, self.eps)
+
     def qkv(self, layer: int, x: Tensor, at: tuple[Tensor, Tensor], tile: Tile) -> tuple[Tensor, Tensor, Tensor]:
         w, s = self.blocks[layer], self.shape
-        h = rms_norm(x, w["norm_in"], self.eps)
+        h = self._norm(x, w["norm_in"])
         fused = linear(h, w["qkv_w"], w["qkv_b"], tile).view(x.shape[0], s.num_heads + 2 * s.num_kv_heads, s.head_dim)
-        qk = rotate(fused[:, : s.num_heads + s.num_kv_heads], *at)  # q and k heads rotated together
+        if self.native_ops:  # q and k heads rotated together, in place
+            qk = rowwise.rope(fused[:, : s.num_heads + s.num_kv_heads], *at)
+        else:
+            qk = rotate(fused[:, : s.num_heads + s.num_kv_heads], *at)
         return qk[:, : s.num_heads], qk[:, s.num_heads :], fused[:, s.num_heads + s.num_kv_heads :]
 
     def finish(self, layer: int, x: Tensor, attn: Tensor, tile: Tile) -> Tensor:
         w = self.blocks[layer]
         # linear() returns a new tensor, so the residual adds go into it in place (a + b == b + a
         # bitwise): a layer allocates its outputs and nothing else
-        x = linear(attn, w["o_w"], w["o_b"], tile).add_(x)
-        h = rms_norm(x, w["norm_post"], self.eps)
+        if self.native_ops:  # the residual add and the norm in one pass
+            out = linear(attn, w["o_w"], w["o_b"], tile)
+            h = rowwise.rms_norm(out, w["norm_post"], self.eps, residual=x)
+            x = out
+        else:
+            x = linear(attn, w["o_w"], w["o_b"], tile).add_(x)
+            h = rms_norm(x, w["norm_post"], self.eps)
         gate_up = linear(h, w["gate_up_w"], w["gate_up_b"], tile)
         if self.native_ops:
-            gated = silu_mul(gate_up)
+            gated = rowwise.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             gated = silu(gate).mul_(up)
         return linear(gated, w["down_w"], w["down_b"], tile).add_(x)
 
     def logits(self, x: Tensor, tile: Tile) -> Tensor:
-        return linear(rms_norm(x, self.norm, self.eps), self.lm_head, None, tile)
+        return linear(self._norm(x, self.norm), self.lm_head, None, tile)
 
     def matmuls(self) -> list[tuple[Tensor, Tensor | None]]:
         names = ("qkv", "o", "gate_up", "down")

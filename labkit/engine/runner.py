@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from labkit.engine import rowwise
 from labkit.engine.attention import (
     DEFAULT_SPAN,
     DecodePlan,
@@ -57,6 +58,9 @@ class KVPool:
         size = (s.num_layers, 2, s.num_kv_heads, num_blocks, block_size, s.head_dim)
         self.kv = torch.zeros(size, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.native = False  # write through rowwise.kv_write (one native call) instead of two index copies
+        # each layer's keys and values with the blocks flattened into slots: (2, kv_heads, slots, d)
+        self.flat = [self.kv[i].view(2, size[2], -1, size[-1]) for i in range(size[0])]
 
     @property
     def k(self) -> Tensor:
@@ -73,7 +77,10 @@ class KVPool:
 
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Store k/v (rows, kv_heads, d) at flat slots (block * block_size + offset)."""
-        flat = self.kv[layer].view(2, self.kv.shape[2], -1, self.kv.shape[-1])
+        flat = self.flat[layer]
+        if self.native:
+            rowwise.kv_write(flat, slots, k, v)
+            return
         flat[0].index_copy_(1, slots, k.transpose(0, 1))
         flat[1].index_copy_(1, slots, v.transpose(0, 1))
 
@@ -118,10 +125,10 @@ class ModelRunner:
         self.matmul = choose_matmul(matmul, self.device, self.dtype)
         if not batch_invariant:
             self.matmul = MatmulChoice("library", "plain mode: torch's matmuls")
-        # the fused MLP gate and the greedy argmax come with the kernels, in both modes, unless
-        # the library's ops were asked for
-        self.network.native_ops = (
-            matmul != "library" and choose_matmul("auto", self.device, self.dtype).mode == "kernel"
+        # the row-wise kernels (norms, rotary positions, the K/V write, the MLP gate, the greedy
+        # argmax) come with the kernels, in both modes, unless the library's ops were asked for
+        self.network.native_ops = self.pool.native = (
+            matmul != "library" and rowwise.available(self.device, self.dtype) is None
         )
         # what linear() gets: None = plain matmuls. The probe's answer holds for the thread count
         # it ran under (a kernel may split a reduction differently with more threads), so a

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from labkit.engine.matmul import argmax_rows
+from labkit.engine.rowwise import argmax_rows
 from labkit.engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class _Rows:
 class Sampler:
     """One token per row; see the module docstring. Call from the step thread only.
 
-    ``native``: greedy rows take the native row-wise argmax (``matmul.argmax_rows``, the same
+    ``native``: greedy rows take the native row-wise argmax (``rowwise.argmax_rows``, the same
     indices as ``torch.argmax``, several times faster over a step's float32 CPU logits)."""
 
     def __init__(self, device: str | torch.device, native: bool = False) -> None:

@@ -1,7 +1,8 @@
 """Native kernels, compiled on first use with the machine's C++ compiler and cached.
 
-``paged_decode.cpp`` (decode attention read through the block tables) and ``fixed_matmul.cpp``
-(the batch-invariant mode's matmul, with the fused MLP gate and the greedy argmax) are plain C++ with OpenMP and no torch headers: each compiles
+``paged_decode.cpp`` (decode attention read through the block tables), ``fixed_matmul.cpp`` (the
+batch-invariant mode's matmul) and ``rowwise.cpp`` (the row-wise work between the matmuls: RMSNorm,
+rotary positions, the K/V write, the MLP gate, the greedy argmax) are plain C++ with OpenMP and no torch headers: each compiles
 in about a second with ``g++`` alone (no ninja, no Python headers) and is called through
 ``ctypes`` with the tensors' data pointers (ctypes lets go of the GIL for the call). OpenMP comes from the ``libgomp.so.1`` torch has already loaded, so the
 kernel's threads are torch's threads. The shared library lands in ``$XDG_CACHE_HOME/labkit/
@@ -21,13 +22,14 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 MATMUL_SOURCE = Path(__file__).with_name("fixed_matmul.cpp")
+ROWWISE_SOURCE = Path(__file__).with_name("rowwise.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _COMPILER_ENV = "LABKIT_CXX"  # which compiler to use; a path that does not exist forces the fallback
 
@@ -43,8 +45,7 @@ class Kernel:
     function: ctypes._CFuncPtr  # type: ignore[name-defined]
     path: Path
     vector: bool = True  # fixed_matmul: whether the AVX-512 path was compiled in (else the scalar one)
-    silu_mul: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]  # fixed_matmul's fused MLP gate
-    argmax: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]  # and its row-wise argmax
+    entries: dict[str, ctypes._CFuncPtr] = field(default_factory=dict)  # type: ignore[name-defined]  # rowwise: by name
 
 
 _lock = threading.Lock()
@@ -85,6 +86,12 @@ def fixed_matmul_kernel(cxx: str | None = None) -> Kernel:
     return _kernel(MATMUL_SOURCE, cxx or compiler())
 
 
+def rowwise_kernel(cxx: str | None = None) -> Kernel:
+    """The compiled row-wise ops (``rowwise.cpp``: RMSNorm, rotary positions, the K/V write, the MLP
+    gate, the argmax), as ``paged_decode_kernel``; ``entries`` holds them by name."""
+    return _kernel(ROWWISE_SOURCE, cxx or compiler())
+
+
 def _kernel(source: Path, cxx: str) -> Kernel:
     with _lock:
         key = (source.name, cxx)
@@ -119,18 +126,32 @@ def _load(source_path: Path, cxx: str) -> Kernel:
         fn = lib.labkit_fixed_matmul
         fn.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32, i32]
         fn.restype = i32
-        gate = lib.labkit_silu_mul
-        gate.argtypes = [ptr, i64, i64, i64, ptr, i32]
-        gate.restype = i32
-        argmax = lib.labkit_argmax_rows
-        argmax.argtypes = [ptr, i64, i64, i64, ptr, i32]
-        argmax.restype = i32
         vector = bool(lib.labkit_fixed_matmul_has_vector())
-        return Kernel(fn, target, vector=vector, silu_mul=gate, argmax=argmax)
+        return Kernel(fn, target, vector=vector)
+    if source_path == ROWWISE_SOURCE:
+        entries = _rowwise_entries(lib)
+        return Kernel(entries["rms_norm"], target, entries=entries)
     fn = lib.labkit_paged_decode
     fn.restype = i32
     fn.argtypes = [ptr] * 5 + [i64] * 2 + [i32] * 8 + [ctypes.c_float, i32]
     return Kernel(fn, target)
+
+
+def _rowwise_entries(lib: ctypes.CDLL) -> dict[str, ctypes._CFuncPtr]:  # type: ignore[name-defined]
+    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    signatures = {
+        "rms_norm": [ptr, ptr, i64, i64, i64, i64, ptr, f32, ptr, i32],
+        "rope": [ptr, i64, i64, i64, i64, ptr, ptr, i64, i32],
+        "kv_write": [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64],
+        "silu_mul": [ptr, i64, i64, i64, ptr, i32],
+        "argmax_rows": [ptr, i64, i64, i64, ptr, i32],
+    }
+    entries = {}
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, f"labkit_{name}")
+        fn.argtypes, fn.restype = argtypes, i32
+        entries[name] = fn
+    return entries
 
 
 def _compile(exe: str, source: Path, target: Path) -> None:

@@ -11,14 +11,18 @@
 // Each (row, kv_head) pair is one task; a task computes every query head of its group in a fixed
 // order that depends only on that row's length and the dimensions, never on the thread, the other
 // rows, or the number of rows. So a row's output is bitwise the same decoded alone or in a batch.
-// Dot products use LANES independent accumulators (the compiler vectorizes the lane loop) summed
-// pairwise in a fixed order; the weighted sum of values adds positions in order, elementwise.
+// Dot products use LANES independent accumulators summed pairwise in a fixed order (with AVX-512,
+// 16 keys' reductions share one transposing tree, score_keys); the weighted sum of values adds positions in order, elementwise.
 // No -ffast-math: the compiler may not reorder a reduction, so the order written is the order run.
 // The softmax is two-pass over a per-task score buffer (max, then exp and sum), in float32.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -39,6 +43,66 @@ inline float dot(const float* __restrict__ a, const float* __restrict__ b, int d
     for (int w = LANES / 2; w >= 1; w /= 2)  // pairwise, fixed order
         for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
     return acc[0] + tail;
+}
+
+#if defined(__AVX512F__)
+// The scores of up to 16 neighbouring keys for one query head, all at once: each key's D products
+// go into one 16-lane accumulator in the order of dot<D> (a multiply, then fused multiply-adds),
+// and the 16 accumulators are summed lane-wise by one transposing tree (lanes j and j + 8, then
+// j and j + 4, j + 2, j + 1), so each key's sum comes out in its own lane of one vector: about 15
+// shuffles and adds for 16 keys instead of a horizontal reduction per key. Every key takes the same
+// path whatever its neighbours or how many of the 16 are present (absent ones are zeros whose
+// lanes are not stored), so a row's scores still depend on that row alone.
+template <int D>
+inline void score_keys(const float* __restrict__ q, const float* __restrict__ keys, int n, float scale,
+                       float* __restrict__ out) {
+    static_assert(D % 16 == 0 && D > 0, "score_keys needs whole vectors");
+    constexpr int V = D / 16;
+    __m512 qv[V];
+    for (int v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(q + 16 * v);
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) {
+        if (i < n) {
+            const float* k = keys + static_cast<int64_t>(i) * D;
+            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+            for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + 16 * v), a);
+            acc[i] = a;
+        } else {
+            acc[i] = _mm512_setzero_ps();
+        }
+    }
+    __m512 c[8], e[4], g[2];
+    for (int i = 0; i < 8; ++i)  // keys 2i, 2i+1: lanes j + (j + 8), 8 partial sums each
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i)  // keys 4i..4i+3: 4 partial sums each, one 128-bit lane per key
+        e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)  // 2 partial sums each, two keys per 128-bit lane
+        g[i] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * i], e[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(e[2 * i], e[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // the sums, key L + 4j in element 4L + j; put back in key order and scale
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512 scores = _mm512_mul_ps(_mm512_permutexvar_ps(order, sums), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1u), scores);
+}
+#endif
+
+// The scores of a block's n keys for one query head (scaled): score_keys where the head size is a
+// whole number of vectors, dot<D> one key at a time otherwise. Which one runs depends only on D.
+template <int D>
+inline void score_block(const float* __restrict__ q, const float* __restrict__ keys, int n, int dim, float scale,
+                        float* __restrict__ out) {
+#if defined(__AVX512F__)
+    if constexpr (D > 0 && D % 16 == 0 && D <= 128) {
+        for (int s = 0; s < n; s += 16) score_keys<D>(q, keys + static_cast<int64_t>(s) * D, n - s < 16 ? n - s : 16,
+                                                     scale, out + s);
+        return;
+    }
+#endif
+    for (int i = 0; i < n; ++i) out[i] = dot<D>(q, keys + static_cast<int64_t>(i) * dim, dim) * scale;
 }
 
 // y += sum over i < n of w[i] * x[i * D ...]: one output row of a block's weighted values, added in
@@ -97,11 +161,7 @@ void attend_one(const float* q, const float* keys, const float* values, const in
     for (int b = 0; b < blocks; ++b) {
         const float* base = keys + table[b] * block_stride;
         const int first = b * block_size, n = length - first < block_size ? length - first : block_size;
-        for (int g = 0; g < group; ++g) {
-            const float* qg = q + g * q_head_stride;
-            float* sg = scores + g * row + first;
-            for (int i = 0; i < n; ++i) sg[i] = dot<D>(qg, base + static_cast<int64_t>(i) * dim, dim) * scale;
-        }
+        for (int g = 0; g < group; ++g) score_block<D>(q + g * q_head_stride, base, n, dim, scale, scores + g * row + first);
     }
     for (int g = 0; g < group; ++g) {
         float* sg = scores + g * row;
