@@ -18,8 +18,10 @@
 //
 // The register tile is MR rows x NR columns (8 x 48 with AVX-512: 24 accumulators). Rows are taken
 // in blocks of MC, copied k-major, so that a block's rows stay in cache while every panel passes
-// over them; panels are handed out to threads one at a time (a descheduled thread holds up one
-// panel, not a share of them). None of that changes any element's order.
+// over them; a panel passes over a block's tiles KC k at a time, prefetching its next KC, so that
+// it is read from memory once per block, not once per tile; panels are handed out to threads one
+// at a time (a descheduled thread holds up one panel, not a share of them). None of that changes
+// any element's order.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -34,6 +36,7 @@ namespace {
 constexpr int NR = 48;       // columns per panel (3 vectors of 16 floats)
 constexpr int MR = 8;        // rows per register tile
 constexpr int64_t MC = 128;  // rows per cache block
+constexpr int64_t KC = 64;   // k per step of a panel's pass over a block's row tiles (see run)
 constexpr double PARALLEL_WORK = 1 << 16;  // multiply-adds below which one thread runs the call
 
 #if defined(__AVX512F__)
@@ -69,6 +72,46 @@ inline void tile(const float* __restrict__ x, const float* __restrict__ panel, i
 }
 #endif
 
+#if defined(__AVX512F__)
+// tile<R> over k in [k0, k0 + kc) only: the accumulators start from zero (first) or from acc_io,
+// where the previous part left them, and go back there, or out to y with the bias (last). Storing
+// and reloading a float32 accumulator does not change it, so the chain of every element is the one
+// tile<R> makes over the whole of K, bit for bit. While it computes, it asks for the first
+// `ahead` cache lines at `next` (a share of the panel's next part), one line per k.
+template <int R>
+inline void tile_part(const float* __restrict__ x, const float* __restrict__ panel, int64_t kc, float* __restrict__ acc_io,
+                      bool first, bool last, const float* __restrict__ bias, float* __restrict__ y, int64_t ldy,
+                      int cols, const char* next, int64_t ahead) {
+    __m512 acc[R][3];
+    for (int i = 0; i < R; ++i)
+        for (int j = 0; j < 3; ++j) acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_io + i * NR + 16 * j);
+    for (int64_t k = 0; k < kc; ++k) {
+        if (k < ahead) _mm_prefetch(next + 64 * k, _MM_HINT_T0);
+        __m512 b[3];
+        for (int j = 0; j < 3; ++j) b[j] = _mm512_loadu_ps(panel + k * NR + 16 * j);
+        for (int i = 0; i < R; ++i) {
+            const __m512 a = _mm512_set1_ps(x[k * R + i]);
+            for (int j = 0; j < 3; ++j) acc[i][j] = _mm512_fmadd_ps(a, b[j], acc[i][j]);
+        }
+    }
+    if (!last) {
+        for (int i = 0; i < R; ++i)
+            for (int j = 0; j < 3; ++j) _mm512_storeu_ps(acc_io + i * NR + 16 * j, acc[i][j]);
+        return;
+    }
+    for (int j = 0; j < 3; ++j) {
+        const int left = cols - 16 * j;
+        if (left <= 0) continue;
+        const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+        for (int i = 0; i < R; ++i) {
+            const __m512 v = bias ? _mm512_add_ps(acc[i][j], bv) : acc[i][j];
+            _mm512_mask_storeu_ps(y + i * ldy + 16 * j, mask, v);
+        }
+    }
+}
+#endif
+
 // The same chains, one lane at a time with std::fma (which rounds once, as the vector fma does);
 // used where AVX-512 is missing and by the test that checks both paths give the same bits.
 template <int R>
@@ -87,12 +130,16 @@ inline void tile_scalar(const float* __restrict__ x, const float* __restrict__ p
 }
 
 using TileFn = void (*)(const float*, const float*, int64_t, const float*, float*, int64_t, int);
+using PartFn = void (*)(const float*, const float*, int64_t, float*, bool, bool, const float*, float*, int64_t, int,
+                        const char*, int64_t);
 
 #if defined(__AVX512F__)
 constexpr TileFn VECTOR[MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>};
 constexpr int WIDE_ROWS = 4;  // calls of up to this many rows take several panels per tile
 constexpr int WIDE_PANELS[WIDE_ROWS + 1] = {0, 4, 2, 2, 2};
 constexpr TileFn WIDE[WIDE_ROWS + 1] = {nullptr, tile<1, 4>, tile<2, 2>, tile<3, 2>, tile<4, 2>};
+constexpr PartFn PARTS[MR + 1] = {nullptr,      tile_part<1>, tile_part<2>, tile_part<3>, tile_part<4>,
+                                  tile_part<5>, tile_part<6>, tile_part<7>, tile_part<8>};
 #endif
 // The scalar path keeps 2 rows per tile: 96 accumulators already fill the vector registers.
 constexpr int MR_SCALAR = 2;
@@ -152,6 +199,37 @@ int run(const float* x, int64_t M, int64_t K, int64_t ldx, const float* packed, 
             for (int64_t k = 0; k < K; ++k)
                 for (int j = 0; j < r; ++j) a[k * r + j] = x[(m0 + i + j) * ldx + k];
         }
+#if defined(__AVX512F__)
+        if (vector && rows > MR) {
+            // Every row tile of the block takes a panel KC k at a time: a part of the panel
+            // (12 KiB) is read from memory once, by the first tile, and from L1 by the others,
+            // while the tiles ask for the next part a line at a time; a tile that streamed the
+            // whole panel alone waited on memory at a fraction of the FMA rate.
+            const int64_t tiles_per_block = (rows + mr - 1) / mr;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (parallel)
+            for (int64_t p = 0; p < panels; ++p) {
+                alignas(64) float partial[MC * NR];
+                const float* panel = packed + p * K * NR;
+                const int cols = int(N - p * NR < NR ? N - p * NR : NR);
+                const float* b = bias ? bias + p * NR : nullptr;
+                for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                    const int64_t kc = K - k0 < KC ? K - k0 : KC;
+                    const int64_t next_k = k0 + kc, next_kc = K - next_k < KC ? K - next_k : KC;
+                    const int64_t lines = next_kc * NR * int64_t(sizeof(float)) / 64;  // 0 after the last part
+                    const int64_t share = (lines + tiles_per_block - 1) / tiles_per_block;
+                    const char* next = reinterpret_cast<const char*>(panel + next_k * NR);
+                    for (int64_t i = 0, t = 0; i < rows; i += mr, ++t) {
+                        const int r = int(rows - i < mr ? rows - i : mr);
+                        const int64_t from = t * share, ahead = lines - from < share ? lines - from : share;
+                        PARTS[r](block.data() + i * K + k0 * r, panel + k0 * NR, kc, partial + i * NR, k0 == 0,
+                                 next_k == K, b, y + (m0 + i) * ldy + p * NR, ldy, cols, next + 64 * from,
+                                 ahead > 0 ? ahead : 0);
+                    }
+                }
+            }
+            continue;
+        }
+#endif
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (parallel)
         for (int64_t p = 0; p < panels; ++p) {
             const float* panel = packed + p * K * NR;
