@@ -37,6 +37,7 @@ constexpr int NR = 48;       // columns per panel (3 vectors of 16 floats)
 constexpr int MR = 8;        // rows per register tile
 constexpr int64_t MC = 128;  // rows per cache block
 constexpr int64_t KC = 64;   // k per step of a panel's pass over a block's row tiles (see run)
+constexpr int64_t PF = 32;   // k ahead that a single tile prefetches its panels (6 KiB each)
 constexpr double PARALLEL_WORK = 1 << 16;  // multiply-adds below which one thread runs the call
 
 #if defined(__AVX512F__)
@@ -52,6 +53,10 @@ inline void tile(const float* __restrict__ x, const float* __restrict__ panel, i
         for (int j = 0; j < V; ++j) acc[i][j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; ++k) {
         __m512 b[V];
+        if (k + PF < K)  // a tile of few rows streams its panels from memory: ask PF rows ahead
+            for (int j = 0; j < V; ++j)
+                _mm_prefetch(reinterpret_cast<const char*>(panel + (j / 3) * panel_stride + (k + PF) * NR + 16 * (j % 3)),
+                             _MM_HINT_T0);
         for (int j = 0; j < V; ++j) b[j] = _mm512_loadu_ps(panel + (j / 3) * panel_stride + k * NR + 16 * (j % 3));
         for (int i = 0; i < R; ++i) {
             const __m512 a = _mm512_set1_ps(x[k * R + i]);
