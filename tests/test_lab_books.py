@@ -152,6 +152,9 @@ def server_settings():
 
 
 def test_disconnect_runs_on_a_server_it_can_only_reach_over_http(server):
+    """The "waiting" clients must leave before a blocker ends and frees a slot: they were released
+    10-30 ms after the batch was full here, and 64-token blockers ended 130-220 ms after it, close
+    enough for a faster engine to admit one; 200-token blockers last three times as long."""
     config = disconnect.Config(
         model="tiny-gpt2",
         repetitions=1,
@@ -159,7 +162,7 @@ def test_disconnect_runs_on_a_server_it_can_only_reach_over_http(server):
         max_new_tokens=12,
         early_tokens=2,
         end_margin=2,
-        blocker_tokens=64,
+        blocker_tokens=200,
         response_classes=("starlette",),
         drain_after_fin_s=0.1,
     )

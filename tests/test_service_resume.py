@@ -73,11 +73,22 @@ def test_unknown_streams_and_bad_cursors_are_refused_before_the_stream(tiny_gpt2
         assert response.status_code == status and "error" in response.json()
 
 
+def hold_in_the_engine(server: Any, rid: str) -> None:
+    """Pause a running request in the engine: it stays alive, making no tokens, until cancelled.
+
+    So only the grace timer can end it, however fast the engine: 400 unpaused tokens of the tiny
+    model take about 0.5 s, near the grace periods below once the engine or the machine is faster."""
+    paused = server.engine.stats()["paused"]
+    server.engine.pause(rid)
+    wait_until(lambda: server.engine.stats()["paused"] == paused + 1, what="the pause")
+
+
 def test_a_run_nobody_comes_back_for_is_cancelled_after_the_grace_period(tiny_gpt2: Any) -> None:
     with lab_server(tiny_gpt2, max_batch=1, resume_grace=0.2) as server:
         client = RawClient(server.url).post("/v1/stream", {**BODY, "max_new_tokens": 400})
         start = client.read_events(3)[0][1]
         rid = start["request_id"]
+        hold_in_the_engine(server, rid)
         client.close_fin()
         record = server.hub.record(rid)
         wait_until(lambda: record.released is not None, what="the cancel after the grace period")
@@ -95,8 +106,11 @@ def test_a_stream_longer_than_the_log_cannot_be_resumable(tiny_gpt2: Any) -> Non
 
 def test_resumable_streams_are_bounded_in_number_and_a_finished_one_frees_its_place(tiny_gpt2: Any) -> None:
     """A resumable run outlives its connection by resume_grace: clients that open one and hang up
-    at once must not be able to fill the batch and the queue for everyone else."""
-    with lab_server(tiny_gpt2, max_resumable=2, resume_grace=0.2) as server:
+    at once must not be able to fill the batch and the queue for everyone else.
+
+    The two refusals below must come within the grace of the first hang-up (about 40 ms after it
+    here): a grace of 1 s leaves room for a slow machine, at the cost of waiting it out at the end."""
+    with lab_server(tiny_gpt2, max_resumable=2, resume_grace=1.0) as server:
         first = [RawClient(server.url).post("/v1/stream", {**BODY, "max_new_tokens": 300}) for _ in range(2)]
         for client in first:
             client.read_events(2)
@@ -154,6 +168,7 @@ def test_a_refused_attempt_does_not_keep_an_abandoned_stream_alive(tiny_gpt2: An
     with lab_server(tiny_gpt2, max_batch=1, resume_grace=0.3) as server:
         creator = RawClient(server.url).post("/v1/stream", {**BODY, "max_new_tokens": 400})
         rid = creator.read_events(3)[0][1]["request_id"]
+        hold_in_the_engine(server, rid)
         creator.close_fin()  # the grace timer starts
         record = server.hub.record(rid)
         with httpx.Client(base_url=server.url, timeout=TIMEOUT) as intruder:

@@ -9,6 +9,8 @@ arithmetic, and a sampled-identity check that would pass if sampling were ignore
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pandas as pd
 import pytest
 
@@ -158,7 +160,11 @@ def test_eager_memory_is_measured_and_is_the_padded_events():
 
 @pytest.mark.slow
 def test_a_slow_reader_reads_under_half_the_write_rate_and_pause_then_drop_drops_it(tiny_gpt2):
-    config = slowclient.Config.for_profile(Profile("ci"))
+    """The drop needs one pause to outlast the stall timeout (0.25 s), and a pause lasts while the
+    slow reader takes about high_water / 2 events off the queue. At the ci profile's tenth of the
+    write rate that took about 0.25 s here (some runs paused twice), less on a faster engine; at
+    a ten-thousandth the calibrated read is the 256-byte floor, every 20 ms: seconds a pause."""
+    config = replace(slowclient.Config.for_profile(Profile("ci")), slow_fraction=1e-4)
     with server_like(None, tiny_gpt2, **slowclient.server_settings(config, "pause_then_drop")) as srv:
         pace = slowclient.calibrate(srv, config)
         rows, run, steps = slowclient.measure_run(srv, config, pace, "pause_then_drop", 1, 0)

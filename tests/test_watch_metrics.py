@@ -24,7 +24,9 @@ def test_parse_scrape_reads_the_gauges_and_the_histogram_buckets() -> None:
 
 
 def test_a_load_in_waves_shows_a_queue_and_the_metrics_account_for_every_stream(tiny_gpt2: Any) -> None:
-    config = watch.Config(max_batch=2, waves=2, per_wave=5, wave_gap_s=0.3, tokens=60, scrape_every=0.1)
+    """A scrape must land while a queue stands: with 150 tokens a stream, 11-14 of ~19 scrapes
+    saw one here (with 60, 4-5 of 9, few enough that a faster engine could slip between two)."""
+    config = watch.Config(max_batch=2, waves=2, per_wave=5, wave_gap_s=0.3, tokens=150, scrape_every=0.1)
     with lab_server(tiny_gpt2) as server:
         tables = watch.run(config, server=server)
     scrapes = tables["scrapes"]
