@@ -55,13 +55,15 @@ inline float dot(const float* __restrict__ a, const float* __restrict__ b, int d
 // lanes are not stored), so a row's scores still depend on that row alone.
 template <int D>
 inline void score_keys(const float* __restrict__ q, const float* __restrict__ keys, int n, float scale,
-                       float* __restrict__ out) {
+                       float* __restrict__ out, const char* next) {
     static_assert(D % 16 == 0 && D > 0, "score_keys needs whole vectors");
     constexpr int V = D / 16;
     __m512 qv[V];
     for (int v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(q + 16 * v);
     __m512 acc[16];
     for (int i = 0; i < 16; ++i) {
+        if (next != nullptr)  // key i's place in the next block, read from memory while this one computes
+            for (int l = 0; l < D / 16; ++l) _mm_prefetch(next + (static_cast<int64_t>(i) * D + 16 * l) * 4, _MM_HINT_T0);
         if (i < n) {
             const float* k = keys + static_cast<int64_t>(i) * D;
             __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
@@ -94,14 +96,16 @@ inline void score_keys(const float* __restrict__ q, const float* __restrict__ ke
 // whole number of vectors, dot<D> one key at a time otherwise. Which one runs depends only on D.
 template <int D>
 inline void score_block(const float* __restrict__ q, const float* __restrict__ keys, int n, int dim, float scale,
-                        float* __restrict__ out) {
+                        float* __restrict__ out, const float* next) {
 #if defined(__AVX512F__)
     if constexpr (D > 0 && D % 16 == 0 && D <= 128) {
-        for (int s = 0; s < n; s += 16) score_keys<D>(q, keys + static_cast<int64_t>(s) * D, n - s < 16 ? n - s : 16,
-                                                     scale, out + s);
+        for (int s = 0; s < n; s += 16)
+            score_keys<D>(q, keys + static_cast<int64_t>(s) * D, n - s < 16 ? n - s : 16, scale, out + s,
+                          next == nullptr ? nullptr : reinterpret_cast<const char*>(next + static_cast<int64_t>(s) * D));
         return;
     }
 #endif
+    (void)next;
     for (int i = 0; i < n; ++i) out[i] = dot<D>(q, keys + static_cast<int64_t>(i) * dim, dim) * scale;
 }
 
@@ -109,15 +113,19 @@ inline void score_block(const float* __restrict__ q, const float* __restrict__ k
 // position order (the same order for every head size; with D known, y stays in registers).
 template <int D>
 inline void weighted_rows(float* __restrict__ y, const float* __restrict__ w, const float* __restrict__ x, int n,
-                          int dim_arg) {
+                          int dim_arg, const float* next) {
     const int dim = D > 0 ? D : dim_arg;
     if constexpr (D > 0) {
         float acc[D];
         for (int j = 0; j < D; ++j) acc[j] = y[j];
-        for (int i = 0; i < n; ++i)
+        for (int i = 0; i < n; ++i) {
+            if (next != nullptr)  // row i of the next block of values
+                for (int l = 0; l < D; l += 16) __builtin_prefetch(next + static_cast<int64_t>(i) * D + l);
             for (int j = 0; j < D; ++j) acc[j] += w[i] * x[static_cast<int64_t>(i) * D + j];
+        }
         for (int j = 0; j < D; ++j) y[j] = acc[j];
     } else {
+        (void)next;
         for (int i = 0; i < n; ++i)
             for (int j = 0; j < dim; ++j) y[j] += w[i] * x[static_cast<int64_t>(i) * dim + j];
     }
@@ -161,7 +169,10 @@ void attend_one(const float* q, const float* keys, const float* values, const in
     for (int b = 0; b < blocks; ++b) {
         const float* base = keys + table[b] * block_stride;
         const int first = b * block_size, n = length - first < block_size ? length - first : block_size;
-        for (int g = 0; g < group; ++g) score_block<D>(q + g * q_head_stride, base, n, dim, scale, scores + g * row + first);
+        // the first head asks for the next block of keys (after the last, the first block of values)
+        const float* next = b + 1 < blocks ? keys + table[b + 1] * block_stride : values + table[0] * block_stride;
+        for (int g = 0; g < group; ++g)
+            score_block<D>(q + g * q_head_stride, base, n, dim, scale, scores + g * row + first, g == 0 ? next : nullptr);
     }
     for (int g = 0; g < group; ++g) {
         float* sg = scores + g * row;
@@ -177,7 +188,9 @@ void attend_one(const float* q, const float* keys, const float* values, const in
     for (int b = 0; b < blocks; ++b) {
         const float* base = values + table[b] * block_stride;
         const int first = b * block_size, n = length - first < block_size ? length - first : block_size;
-        for (int g = 0; g < group; ++g) weighted_rows<D>(out + g * out_head_stride, scores + g * row + first, base, n, dim);
+        const float* next = b + 1 < blocks ? values + table[b + 1] * block_stride : nullptr;
+        for (int g = 0; g < group; ++g)
+            weighted_rows<D>(out + g * out_head_stride, scores + g * row + first, base, n, dim, g == 0 ? next : nullptr);
     }
 }
 
