@@ -54,6 +54,13 @@ def test_the_norm_adds_the_residual_in_place_first() -> None:
     out = rms_norm(o, w, 1e-6, residual=x)
     assert torch.equal(o, expected_sum)
     assert torch.equal(out, rms_norm(expected_sum, w, 1e-6))
+    # row by row, and on one thread, the same bits (300 x 576 is past the two-thread threshold)
+    big, res, w576 = torch.randn(300, 576, generator=gen), torch.randn(300, 576, generator=gen), torch.randn(576)
+    together = rms_norm(big.clone(), w576, 1e-6, residual=res)
+    alone = torch.cat([rms_norm(big[i : i + 1].clone(), w576, 1e-6, residual=res[i : i + 1]) for i in range(300)])
+    with _threads(1):
+        single = rms_norm(big.clone(), w576, 1e-6, residual=res)
+    assert torch.equal(together, alone) and torch.equal(together, single)
     torch.testing.assert_close(out, torch_rms_norm(expected_sum, w, 1e-6), atol=2e-6, rtol=2e-6)
 
 
@@ -67,6 +74,8 @@ def test_the_norm_refuses_what_it_cannot_take() -> None:
         rms_norm(torch.randn(4, 16)[:, ::2], w, 1e-5)
     with pytest.raises(ValueError, match="rows"):
         rms_norm(x, w, 1e-5, residual=torch.randn(3, 8))
+    with pytest.raises(ValueError, match="itself"):
+        rms_norm(x, w, 1e-5, residual=x)
     assert rms_norm(torch.empty(0, 8), w, 1e-5).shape == (0, 8)
 
 
@@ -76,13 +85,13 @@ def _table(d: int) -> RopeTable:
     return RopeTable(inv_freq, 1.0, 2048, torch.float32, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 200])
-def test_the_rotation_is_bitwise_layers_rotate_in_place(rows: int) -> None:
+@pytest.mark.parametrize("rows,d", [(1, 64), (3, 64), (200, 64), (17, 2), (17, 6), (5, 128)])
+def test_the_rotation_is_bitwise_layers_rotate_in_place(rows: int, d: int) -> None:
     """On the q and k heads of a fused q/k/v row (a view, rows at a wider stride), leaving the v
-    heads alone, at any row count and thread count."""
+    heads alone, at any row count, head size and thread count."""
     gen = torch.Generator().manual_seed(3)
-    fused = torch.randn(rows, 9 + 2 * 3, 64, generator=gen)
-    cos, sin = _table(64).lookup(torch.randint(0, 2048, (rows,), generator=gen))
+    fused = torch.randn(rows, 9 + 2 * 3, d, generator=gen)
+    cos, sin = _table(d).lookup(torch.randint(0, 2048, (rows,), generator=gen))
     expected = rotate(fused[:, :12].clone(), cos, sin)
     values = fused[:, 12:].clone()
     with _threads(1):
@@ -101,6 +110,9 @@ def test_the_rotation_refuses_what_it_cannot_take() -> None:
         rope(torch.randn(2, 3, 16), cos, sin)  # a table for d = 8
     with pytest.raises(ValueError, match="even"):
         rope(torch.randn(2, 1, 7), torch.randn(2, 7), torch.randn(2, 7))
+    with pytest.raises(ValueError, match="cos must be"):  # as many numbers as (2, 8), not its shape
+        rope(torch.randn(2, 3, 8), cos.reshape(1, 16), sin)
+    assert rope(torch.empty(0, 3, 8), cos[:0], sin[:0]).shape == (0, 3, 8)
 
 
 # -- the K/V write ------------------------------------------------------------------------------
@@ -128,6 +140,9 @@ def test_a_slot_outside_the_pool_is_refused_and_nothing_is_written() -> None:
         kv_write(pool, torch.tensor([0, 1], dtype=torch.int32), k, v)
     with pytest.raises(ValueError, match="k must be"):
         kv_write(pool, torch.tensor([0, 1]), torch.ones(2, 2, 4), v)
+    keys_only = torch.zeros(2, 1, 8, 4)[:1]  # one half of a pool: the values would land past its end
+    with pytest.raises(ValueError, match="pool must be"):
+        kv_write(keys_only, torch.tensor([0, 1]), k, v)
 
 
 # -- the runner ---------------------------------------------------------------------------------
@@ -174,11 +189,38 @@ def test_the_fused_gate_is_silu_times_up_and_places_nothing_by_position() -> Non
         silu_mul(torch.randn(2, 5))
 
 
-def test_a_runner_uses_the_fused_gate_where_the_kernels_build(tiny_llama: LoadedModel) -> None:
-    assert make_runner(tiny_llama, num_blocks=16).network.native_ops
+def test_a_runner_calls_the_native_ops_where_the_kernels_build(
+    tiny_llama: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In both modes, every layer's norms, rotation, K/V write and gate go through rowwise; with
+    ``matmul="library"`` none does."""
+    import labkit.engine.rowwise as rw
+
+    calls: dict[str, int] = {}
+
+    def counted(name: str, real):
+        def call(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("rms_norm", "rope", "kv_write", "silu_mul"):
+        monkeypatch.setattr(rw, name, counted(name, getattr(rw, name)))
+    layers = tiny_llama.model.config.num_hidden_layers
+    for kwargs in ({}, {"batch_invariant": False}):
+        calls.clear()
+        runner = make_runner(tiny_llama, num_blocks=16, **kwargs)
+        assert runner.network.native_ops
+        runner.decode([5, 6], [0, 0], [[0], [1]])
+        assert calls == {"rms_norm": 2 * layers + 1, "rope": layers, "kv_write": layers, "silu_mul": layers}
     plain = make_runner(tiny_llama, num_blocks=16, batch_invariant=False)
-    assert plain.network.native_ops and plain.matmul.mode == "library" and plain._tile is None
-    assert not make_runner(tiny_llama, num_blocks=16, matmul="library").network.native_ops
+    assert plain.matmul.mode == "library" and plain._tile is None
+    calls.clear()
+    library = make_runner(tiny_llama, num_blocks=16, matmul="library")
+    assert not library.network.native_ops
+    library.decode([5, 6], [0, 0], [[0], [1]])
+    assert calls == {}
 
 
 # -- the greedy choice ------------------------------------------------------------------------

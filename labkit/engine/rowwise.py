@@ -55,7 +55,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     """``x / sqrt(mean(x**2) + eps) * weight`` per row of ``x`` (rows, width), in a new tensor.
 
     With ``residual``, first ``x += residual`` **in place** (the residual stream's update, as the
-    layer's ``add_`` did), so one pass reads ``x`` once for both."""
+    layer's ``add_`` did), so one pass reads ``x`` once for both. An inference-only op: the write
+    goes through the data pointer, unseen by autograd."""
     x = _rows(x, "rms_norm: x")
     width = x.shape[1]
     if weight.dtype != torch.float32 or weight.shape != (width,) or not weight.is_contiguous() or not weight.is_cpu:
@@ -64,6 +65,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
         residual = _rows(residual, "rms_norm: residual", width)
         if residual.shape[0] != x.shape[0]:
             raise ValueError(f"rms_norm: residual has {residual.shape[0]} rows, x {x.shape[0]}")
+        if residual.data_ptr() == x.data_ptr() and x.numel():
+            raise ValueError("rms_norm: residual must not be x itself (x is updated in place)")
     out = torch.empty(x.shape[0], width, dtype=torch.float32)
     if x.shape[0] and _entry("rms_norm")(
         x.data_ptr(),
@@ -94,7 +97,12 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     ld = x.stride(0) if rows > 1 else heads * d
     if ld < heads * d:
         raise ValueError(f"rope: x's rows overlap (row stride {ld} < {heads * d})")
-    cos, sin = _rows(cos.reshape(rows, -1), "rope: cos", d), _rows(sin.reshape(rows, -1), "rope: sin", d)
+    for table, name in ((cos, "cos"), (sin, "sin")):
+        if tuple(table.shape) not in ((rows, d), (rows, 1, d)):
+            raise ValueError(f"rope: {name} must be ({rows}, {d}) or ({rows}, 1, {d}), got {tuple(table.shape)}")
+    if rows == 0:
+        return x
+    cos, sin = _rows(cos.reshape(rows, d), "rope: cos", d), _rows(sin.reshape(rows, d), "rope: sin", d)
     if _ld(cos) != _ld(sin):
         raise ValueError("rope: cos and sin must have the same layout")
     if rows and _entry("rope")(
@@ -109,7 +117,13 @@ def kv_write(pool: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
     (2, heads, slots, d), keys at index 0: ``KVPool.write`` in one call. A slot out of range
     raises ValueError and writes nothing."""
     rows = k.shape[0]
-    if pool.dim() != 4 or not pool.is_contiguous() or pool.dtype != torch.float32 or not pool.is_cpu:
+    if (
+        pool.dim() != 4
+        or pool.shape[0] != 2
+        or not pool.is_contiguous()
+        or pool.dtype != torch.float32
+        or not pool.is_cpu
+    ):
         raise ValueError(f"kv_write: pool must be a contiguous float32 (2, heads, slots, d), got {tuple(pool.shape)}")
     _, heads, total, d = pool.shape
     for t, name in ((k, "k"), (v, "v")):

@@ -30,7 +30,10 @@ import torch
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 MATMUL_SOURCE = Path(__file__).with_name("fixed_matmul.cpp")
 ROWWISE_SOURCE = Path(__file__).with_name("rowwise.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# -ffp-contract=off: the compiler never fuses a * b + c into one rounding on its own (g++ does by
+# default, and whether it does can change with an unrelated edit to a loop); every fma a kernel
+# wants is written as one, so each kernel's rounding is what its source says, with any compiler
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 _COMPILER_ENV = "LABKIT_CXX"  # which compiler to use; a path that does not exist forces the fallback
 
 

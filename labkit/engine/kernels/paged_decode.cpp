@@ -13,7 +13,9 @@
 // rows, or the number of rows. So a row's output is bitwise the same decoded alone or in a batch.
 // Dot products use LANES independent accumulators summed pairwise in a fixed order (with AVX-512,
 // 16 keys' reductions share one transposing tree, score_keys); the weighted sum of values adds positions in order, elementwise.
-// No -ffast-math: the compiler may not reorder a reduction, so the order written is the order run.
+// No -ffast-math: the compiler may not reorder a reduction, so the order written is the order run;
+// and no contraction (-ffp-contract=off, kernels/__init__.py): every fused multiply-add is a
+// std::fma or an intrinsic in the source, so the rounding does not depend on how a loop compiles.
 // The softmax is two-pass over a per-task score buffer (max, then exp and sum), in float32.
 #include <cmath>
 #include <cstdint>
@@ -37,9 +39,9 @@ inline float dot(const float* __restrict__ a, const float* __restrict__ b, int d
     float acc[LANES] = {0};
     int j = 0;
     for (; j + LANES <= dim; j += LANES)
-        for (int l = 0; l < LANES; ++l) acc[l] += a[j + l] * b[j + l];
+        for (int l = 0; l < LANES; ++l) acc[l] = std::fma(a[j + l], b[j + l], acc[l]);
     float tail = 0.0f;
-    for (; j < dim; ++j) tail += a[j] * b[j];
+    for (; j < dim; ++j) tail = std::fma(a[j], b[j], tail);
     for (int w = LANES / 2; w >= 1; w /= 2)  // pairwise, fixed order
         for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
     return acc[0] + tail;
@@ -121,13 +123,13 @@ inline void weighted_rows(float* __restrict__ y, const float* __restrict__ w, co
         for (int i = 0; i < n; ++i) {
             if (next != nullptr)  // row i of the next block of values
                 for (int l = 0; l < D; l += 16) __builtin_prefetch(next + static_cast<int64_t>(i) * D + l);
-            for (int j = 0; j < D; ++j) acc[j] += w[i] * x[static_cast<int64_t>(i) * D + j];
+            for (int j = 0; j < D; ++j) acc[j] = std::fma(w[i], x[static_cast<int64_t>(i) * D + j], acc[j]);
         }
         for (int j = 0; j < D; ++j) y[j] = acc[j];
     } else {
         (void)next;
         for (int i = 0; i < n; ++i)
-            for (int j = 0; j < dim; ++j) y[j] += w[i] * x[static_cast<int64_t>(i) * dim + j];
+            for (int j = 0; j < dim; ++j) y[j] = std::fma(w[i], x[static_cast<int64_t>(i) * dim + j], y[j]);
     }
 }
 
@@ -136,16 +138,16 @@ inline void weighted_rows(float* __restrict__ y, const float* __restrict__ w, co
 // exp(r) by a degree-6 polynomial, times 2^n through the exponent bits. Relative error ~1e-7.
 inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2); std::floor
+    const float n = std::fma(x, 1.44269504088896341f, 12582912.0f) - 12582912.0f;  // round(x / ln 2); std::floor
                                                                             // would keep the loop scalar
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    const float r = std::fma(n, 2.12194440e-4f, std::fma(n, -0.693359375f, x));
     float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    p = std::fma(p, r, 1.3981999507e-3f);
+    p = std::fma(p, r, 8.3334519073e-3f);
+    p = std::fma(p, r, 4.1665795894e-2f);
+    p = std::fma(p, r, 1.6666665459e-1f);
+    p = std::fma(p, r, 5.0000001201e-1f);
+    p = std::fma(p * r, r, r + 1.0f);
     const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
     return p * __builtin_bit_cast(float, bits);  // memcpy here would keep the loop scalar
 }

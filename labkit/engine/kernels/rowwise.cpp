@@ -10,7 +10,6 @@
 // depend on the batch: the batch-invariant mode can use them as they are.
 //
 // Layout: float32, rows at a stride (``ld``), elements contiguous within a row.
-#pragma GCC optimize("fp-contract=off")  // a * b + c stays two roundings, as torch's separate ops round
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -128,8 +127,8 @@ void rms_norm_row(float* __restrict__ x, const float* __restrict__ r, const floa
 // ---- rotary positions, in place -------------------------------------------------------------------
 // Each head of d floats becomes x * cos + turn(x) * sin, turn(x) = (x[d/2:], x[:d/2]) and sin's first
 // half negated (layers.RopeTable's tables): the products and the sum rounded as layers.rotate rounds
-// them (separate multiplies, one add; the pragma above keeps the compiler from contracting them into
-// an fma), so the
+// them (separate multiplies, one add: the kernels are built with -ffp-contract=off, so the compiler
+// does not fuse them into an fma), so the
 // result is bitwise the torch path's.
 void rope_row(float* __restrict__ x, int64_t heads, int64_t d, const float* __restrict__ cos,
               const float* __restrict__ sin) {
