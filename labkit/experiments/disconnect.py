@@ -77,8 +77,10 @@ class Config:
     def for_profile(cls, profile: Profile) -> Config:
         if profile.full:
             return cls(model=profile.model)
-        # tiny-gpt2's steps take a few ms: 64 of them keep the batch full for a loaded machine's wait
-        return cls(model=profile.model, repetitions=4, max_new_tokens=24, blocker_tokens=64)
+        # tiny-gpt2's steps take a few ms: 200 of them keep the batch full for 0.45-0.75 s after it
+        # filled, while the waiting clients were gone (left, released) within 12-46 ms; 64 lasted
+        # 120-160 ms, close enough for an engine 3x faster to free a slot before they leave
+        return cls(model=profile.model, repetitions=4, max_new_tokens=24, blocker_tokens=200)
 
     def __post_init__(self) -> None:
         if set(self.moments) - set(MOMENTS) or set(self.response_classes) - set(CLASSES):

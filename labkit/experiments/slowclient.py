@@ -86,9 +86,14 @@ class Config:
             return cls(model=profile.model)
         # four streams, short sleeps: the tiny model writes fast, and the pace follows it
         # (and a stream long enough that a slow reader falls behind well before its end)
+        # high_water 32 and a 0.1 s stall timeout: pause_then_drop's pause (16 events taken off at
+        # the slow pace) lasted 0.6-1 s; drop's timer runs from the mark until the slow stream's
+        # last token is made (0.25-0.4 s here, shorter on a faster engine). At 8 and 0.25 s, a
+        # 2.5x longer timeout (a faster writer's shorter pause) saw neither policy drop, 0 of 3
         return cls(
-            model=profile.model, streams=4, max_new_tokens=128, slow_sleep=0.02, read_timeout=60.0, saturation_fast=3
-        )
+            model=profile.model, streams=4, max_new_tokens=128, slow_sleep=0.02, read_timeout=60.0, saturation_fast=3,
+            high_water=32, stall_timeout=0.1,
+        )  # fmt: skip
 
     def __post_init__(self) -> None:
         if not 1 <= self.streams <= len(PROMPTS) or max(self.slow_counts, default=0) >= self.streams:

@@ -52,7 +52,9 @@ class Config:
     def for_profile(cls, profile: Profile) -> Config:
         if profile.full:  # SmolLM2 at B=8: ~85 ms a step; 3 waves of 16 x 24 tokens ~ 15-20 s
             return cls(model=profile.model, tokens=24, wave_gap_s=3.0)
-        return cls(model=profile.model)
+        # tiny-gpt2: 200-token streams hold each wave's queue for ~1 s, scraped every 0.1 s (8-10
+        # scrapes a wave see it); 120 tokens every 0.5 s gave 3-5 in all, and 0-1 at a 2.5x interval
+        return cls(model=profile.model, tokens=200, scrape_every=0.1)
 
     def __post_init__(self) -> None:
         if self.per_wave <= self.max_batch or self.waves < 1 or self.scrape_every <= 0:
