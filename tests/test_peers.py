@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from target_helpers import labkit_serve_process, quirky_stub, uvicorn_in_thread
 
@@ -143,3 +144,24 @@ def test_the_leak_test_against_a_server_without_internals_says_what_it_cannot_se
     assert state.loc["free_blocks", "back"].startswith("not available")
     assert state.loc["cpu_s_per_s", "back"] == "not available (no pid given)"
     assert tables["endings"].errors.sum() == 0
+
+
+def test_a_disconnect_round_whose_streams_ended_before_the_leave_gives_no_stop_verdict() -> None:
+    """Streams that finished before their clients left say nothing about stopping: a server all of
+    whose rounds were like that gets no verdict (it printed "holds" before), one with a round in
+    which streams were still running is judged on those rounds alone."""
+    from labkit.experiments.peers import LABKIT, TRANSFORMERS, verdicts
+
+    overlap = pd.DataFrame(
+        [{"server": s, "level": n, "tokens_per_s": t} for s in (LABKIT, TRANSFORMERS) for n, t in ((1, 10.0), (4, 30.0))]
+    )
+    disconnect = pd.DataFrame(
+        [
+            {"server": LABKIT, "leave_by": "fin", "cpu_release": 0.9, "streams_left": 4},
+            {"server": LABKIT, "leave_by": "fin", "cpu_release": 0.1, "streams_left": 0},
+            {"server": TRANSFORMERS, "leave_by": "fin", "cpu_release": 0.95, "streams_left": 0},
+        ]
+    )
+    found = {v.name: v for v in verdicts({"overlap_runs": overlap, "disconnect_runs": disconnect})}
+    assert found["stops_after_leave_labkit"].holds and "over 1 rounds" in found["stops_after_leave_labkit"].evidence
+    assert not any(name.startswith("stops_after_leave_transformers") for name in found)

@@ -337,6 +337,8 @@ def verdicts(tables: dict[str, pd.DataFrame]) -> list[Verdict]:
             )
         )
     d = tables.get("disconnect_runs")
+    if d is not None and "streams_left" in d:
+        d = d[d.streams_left > 0]  # a round whose streams all ended before the leave witnesses nothing
     if d is not None and len(d):
         for s in servers:
             part = d[d.server == s].cpu_release
