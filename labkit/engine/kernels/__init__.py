@@ -115,7 +115,8 @@ def _load(source_path: Path, cxx: str) -> Kernel:
     exe = shutil.which(cxx)
     if exe is None:
         raise KernelUnavailable(f"no C++ compiler {cxx!r} on this machine (install g++, or set {_COMPILER_ENV})")
-    source = source_path.read_bytes()
+    # the headers beside the sources (cephes_exp.h) are part of what a build depends on
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature() + exe.encode()).hexdigest()[:16]
     target = cache_dir() / f"{source_path.stem}-{key}.so"
     if not target.exists():

@@ -22,6 +22,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "cephes_exp.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -133,24 +135,8 @@ inline void weighted_rows(float* __restrict__ y, const float* __restrict__ w, co
     }
 }
 
-// exp(x) for x <= 0 (scores minus their maximum), Cephes' expf polynomial, written so the compiler
-// vectorizes a loop of it (std::exp and std::floor are scalar calls): n = round(x / ln 2), r = x - n ln 2,
-// exp(r) by a degree-6 polynomial, times 2^n through the exponent bits. Relative error ~1e-7.
-inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = std::fma(x, 1.44269504088896341f, 12582912.0f) - 12582912.0f;  // round(x / ln 2); std::floor
-                                                                            // would keep the loop scalar
-    const float r = std::fma(n, 2.12194440e-4f, std::fma(n, -0.693359375f, x));
-    float p = 1.9875691500e-4f;
-    p = std::fma(p, r, 1.3981999507e-3f);
-    p = std::fma(p, r, 8.3334519073e-3f);
-    p = std::fma(p, r, 4.1665795894e-2f);
-    p = std::fma(p, r, 1.6666665459e-1f);
-    p = std::fma(p, r, 5.0000001201e-1f);
-    p = std::fma(p * r, r, r + 1.0f);
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    return p * __builtin_bit_cast(float, bits);  // memcpy here would keep the loop scalar
-}
+// exp(x) for x <= 0 (scores minus their maximum), clamped where expf underflows.
+inline float exp_nonpositive(float x) { return cephes_exp(x < -87.0f ? -87.0f : x); }
 
 // Each head's scores start on a 64-byte boundary, in every thread's buffer alike, so no loop over
 // them is split differently (peeled for alignment) in one thread than in another.

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cephes_exp.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -30,29 +32,14 @@ namespace {
 // waits for a descheduled thread, so the step's elementwise work stays on one thread here.
 constexpr int LANES = 16;
 constexpr int64_t PARALLEL_ELEMENTS = 1 << 17;
-// exp(-g) for each lane, Cephes' polynomial (relative error ~1e-7), its argument clamped to [-87, 88]:
-// n = round(x / ln 2), r = x - n ln 2, exp(r) by a degree-6 polynomial, times 2^n through the
-// exponent bits. Written as two lane loops around one copy of the bits so the compiler vectorizes it.
+// Every lane through cephes_exp (its argument, -gate, clamped to [-87, 88]); a NaN gate stays NaN.
 __attribute__((noinline)) void silu_mul_chunk(const float* __restrict__ gate, const float* __restrict__ up,
                                               float* __restrict__ out) {
-    float poly[LANES], scale[LANES];
-    int32_t bits[LANES];
     for (int l = 0; l < LANES; ++l) {
         float x = -gate[l];
-        x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : (x == x ? x : 0.0f));  // a NaN gate stays NaN below
-        const float n = std::fma(x, 1.44269504088896341f, 12582912.0f) - 12582912.0f;  // round(x / ln 2)
-        const float r = std::fma(n, 2.12194440e-4f, std::fma(n, -0.693359375f, x));
-        float p = 1.9875691500e-4f;
-        p = std::fma(p, r, 1.3981999507e-3f);
-        p = std::fma(p, r, 8.3334519073e-3f);
-        p = std::fma(p, r, 4.1665795894e-2f);
-        p = std::fma(p, r, 1.6666665459e-1f);
-        p = std::fma(p, r, 5.0000001201e-1f);
-        poly[l] = std::fma(p * r, r, r + 1.0f);
-        bits[l] = (static_cast<int32_t>(n) + 127) << 23;
+        x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : (x == x ? x : 0.0f));
+        out[l] = gate[l] / (cephes_exp(x) + 1.0f) * up[l];
     }
-    std::memcpy(scale, bits, sizeof(scale));
-    for (int l = 0; l < LANES; ++l) out[l] = gate[l] / (poly[l] * scale[l] + 1.0f) * up[l];
 }
 
 void silu_mul_row(const float* gu, int64_t width, float* out) {
