@@ -260,6 +260,25 @@ def test_the_kernel_is_built_once_into_the_cache_and_reused() -> None:
     assert first.path.parent == cache_dir() and first.path.exists()
 
 
+def test_a_changed_header_is_a_new_build(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A header the source includes (cephes_exp.h) is part of the cache key: edit it and the next
+    load builds anew instead of reusing a library made from the old text."""
+    import shutil
+
+    from labkit.engine import kernels
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("paged_decode.cpp", "cephes_exp.h"):
+        shutil.copy(kernels.SOURCE.parent / name, src / name)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = kernels._load(src / "paged_decode.cpp", kernels.compiler())
+    assert kernels._load(src / "paged_decode.cpp", kernels.compiler()).path == first.path
+    (src / "cephes_exp.h").write_text((src / "cephes_exp.h").read_text() + "\n// edited\n")
+    second = kernels._load(src / "paged_decode.cpp", kernels.compiler())
+    assert second.path != first.path and first.path.exists() and second.path.exists()
+
+
 @pytest.mark.parametrize("compiler", ["/nonexistent/g++", "/bin/false"])
 def test_without_a_working_compiler_the_engine_falls_back_to_the_gather(
     tiny_gpt2: LoadedModel, compiler: str, monkeypatch: pytest.MonkeyPatch, tmp_path
