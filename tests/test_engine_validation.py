@@ -112,7 +112,25 @@ def test_the_waiting_limit_holds_under_concurrent_submits_while_steps_run(tiny_g
 
 
 @pytest.mark.parametrize("field,value", [("block_size", 0), ("max_batch", -3), ("num_blocks", 0),
-                                         ("dtype", "int8"), ("max_waiting", -1), ("tile_rows", 0)])
+                                         ("dtype", "int8"), ("max_waiting", -1), ("tile_rows", 0),
+                                         ("step_delay", -0.1), ("step_delay", 11.0), ("step_delay", True)])
 def test_engine_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+
+
+def test_step_delay_lengthens_every_working_step_and_changes_no_token(tiny_gpt2):
+    """The lab's slower engine: each step that did work takes at least the delay; the tokens and
+    the number of steps are those of the undelayed engine."""
+    import time
+
+    runs = {}
+    for delay in (0.0, 0.03):
+        engine = make_engine(tiny_gpt2, step_delay=delay)
+        rids = [engine.submit(p, max_new_tokens=5, ignore_eos=True) for p in PROMPTS[:3]]
+        started = time.perf_counter()
+        outcomes = drain(engine)
+        runs[delay] = ([outcomes[r].tokens for r in rids], engine.current_step, time.perf_counter() - started)
+    assert runs[0.03][0] == runs[0.0][0] and runs[0.03][1] == runs[0.0][1]
+    assert all(record.seconds >= 0.03 for record in engine.step_log)
+    assert runs[0.03][2] >= 0.03 * runs[0.03][1]

@@ -25,6 +25,9 @@ class EngineConfig:
     ``matmul``: how the batch-invariant mode multiplies: ``"kernel"`` in a fixed order
     (``matmul.py``), ``"library"`` through torch's matmuls in probed row chunks (``layers.Tiling``),
     ``"auto"`` the kernel where it builds (the runner's ``matmul.reason`` says which and why).
+    ``step_delay``: seconds slept at the end of every step that did work, for the lab only (0,
+    the default, adds nothing): a slower engine on demand, so a test can show that a verdict
+    counted in steps and tokens does not move when the engine's speed does.
     """
 
     block_size: int = 16
@@ -38,6 +41,7 @@ class EngineConfig:
     kv_cache_mb: int = 512
     attention: str = "auto"
     matmul: str = "auto"
+    step_delay: float = 0.0
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -54,6 +58,12 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.attention must be one of {_ATTENTION}, got {self.attention!r}")
         if self.matmul not in _MATMUL:
             raise ValueError(f"EngineConfig.matmul must be one of {_MATMUL}, got {self.matmul!r}")
+        if (
+            not isinstance(self.step_delay, (int, float))
+            or isinstance(self.step_delay, bool)
+            or not 0 <= self.step_delay <= 10
+        ):
+            raise ValueError(f"EngineConfig.step_delay must be seconds in [0, 10], got {self.step_delay!r}")
         check_device(self.device)
 
 

@@ -164,6 +164,8 @@ class BatchEngine:
             batch = self.scheduler.decodable(exclude=admitted)
             if batch:
                 self._decode(batch, emit)
+            if self.config.step_delay and (admitted or batch):
+                time.sleep(self.config.step_delay)  # the lab's slower engine (EngineConfig.step_delay)
             self.counters["steps"] += 1
             self.step_log.append(
                 StepRecord(self.current_step, started, time.perf_counter() - started, len(batch), len(admitted))
