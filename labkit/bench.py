@@ -29,7 +29,7 @@ from labkit.engine.engine import BatchEngine
 from labkit.engine.events import TokenEvent
 from labkit.engine.layers import linear
 from labkit.models import LoadedModel, load_model
-from labkit.prompts import PROMPTS
+from labkit.prompts import PROMPTS, context_ids
 
 
 @dataclass(frozen=True)
@@ -52,14 +52,6 @@ class GenerateBench:
     with_generate_batch: bool = True
     with_self_sized: bool = True  # also run generate_batch as it sizes itself (slow to start on a CPU)
     ignore_eos: bool = True  # every request makes exactly new_tokens, as throughput benchmarks arrange
-
-
-def _context_ids(loaded: LoadedModel, batch: int, context: int) -> list[list[int]]:
-    """``batch`` different prompts, each exactly ``context`` tokens long."""
-    text = " ".join(PROMPTS)
-    ids = loaded.tokenizer.encode(text)
-    assert len(ids) >= context + batch, "the prompt pool is too short for this context"
-    return [ids[i : i + context] for i in range(batch)]
 
 
 def _engine_step_ms(
@@ -148,7 +140,7 @@ def _time_bare_forward(model: torch.nn.Module, prompts: list[list[int]], cfg: St
 
 def _step_row(loaded: LoadedModel, batch: int, cfg: StepBench) -> dict[str, float]:
     """One measurement of every column for one batch size, taken back to back."""
-    prompts = _context_ids(loaded, batch, cfg.context)
+    prompts = context_ids(loaded.tokenizer, batch, cfg.context)
     bare = _bare_forward_ms(loaded, prompts, cfg)
     invariant, engine = _engine_step_ms(loaded, prompts, cfg, invariant=True)
     floor = _matmul_floor_ms(engine, batch, cfg, as_engine=False)

@@ -80,7 +80,7 @@ def _add_bench(sub) -> None:
 
 def _bench(args) -> None:
     from labkit import bench
-    from labkit.experiments.readings import MachineState
+    from labkit.lab.record import MachineState
 
     before = MachineState.now()
     if args.what == "step":
@@ -128,8 +128,7 @@ def _save_bench(what: str, table, before) -> None:
 
     import torch
 
-    from labkit.experiments.readings import MachineState, code_dirty, machine_record
-    from labkit.experiments.results import _git_commit, _jsonable
+    from labkit.lab.record import MachineState, code_dirty, git_commit, machine_record
 
     folder = Path(__file__).resolve().parent.parent / "data" / "bench"
     folder.mkdir(parents=True, exist_ok=True)
@@ -138,13 +137,13 @@ def _save_bench(what: str, table, before) -> None:
 
     machine = machine_record(before, MachineState.now())
     meta = {
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "code_dirty": code_dirty(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "torch_threads": torch.get_num_threads(),
         **machine,
     }
-    (folder / f"{what}.json").write_text(json.dumps(meta, indent=2, default=_jsonable) + "\n")
+    (folder / f"{what}.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
     print(f"saved data/bench/{what}.csv (python -m labkit.readme renders it into README.md)")
 
 
@@ -171,7 +170,7 @@ def _add_serve(sub) -> None:
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="run an experiment (or all) and write data/ and figures/")
     try:
-        from labkit.experiments.cli import add_run_arguments, run_from_args
+        from labkit.lab.cli import add_run_arguments, run_from_args
     except ImportError as exc:  # pragma: no cover - only while the experiments are absent
         reason = f"labkit run is unavailable: {exc}"  # ``exc`` is unbound after the block
         p.set_defaults(func=lambda args: sys.exit(reason))

@@ -7,14 +7,13 @@ matplotlib label (``fig.set_label("overlap_throughput")``), set by the experimen
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
-__all__ = ["apply_style", "new_figure", "savefig", "save_all"]
+__all__ = ["apply_style", "new_figure", "savefig", "with_range"]
 
 STYLE = {
     "figure.figsize": (6.4, 3.8),
@@ -50,12 +49,8 @@ def new_figure(name: str, ncols: int = 1, width: float | None = None) -> tuple[F
     return fig, list(axes[0])
 
 
-def savefig(fig: Figure, name: str | None = None, folder: Path | None = None) -> Path:
-    """Write ``fig`` as ``<folder>/<name>.png`` (folder: the current profile's ``figures/``)."""
-    if folder is None:
-        from labkit.experiments.profiles import get_profile
-
-        folder = get_profile().figures_dir
+def savefig(fig: Figure, folder: Path, name: str | None = None) -> Path:
+    """Write ``fig`` as ``<folder>/<name>.png`` (name: the figure's label)."""
     stem = name or fig.get_label()
     if not stem:
         raise ValueError("a figure needs a name: pass one or set it with fig.set_label(...)")
@@ -65,18 +60,8 @@ def savefig(fig: Figure, name: str | None = None, folder: Path | None = None) ->
     return path
 
 
-def save_all(figures: Iterable[Figure], folder: Path | None = None) -> list[Path]:
-    return [savefig(fig, folder=folder) for fig in figures]
-
-
-def first_token_cdf(delivery, name: str, title: str) -> Figure:
-    """Time to first token per stream, sorted, one line per delivery mode (``mode``, ``ttft_s`` columns)."""
-    import numpy as np
-
-    fig, (ax,) = new_figure(name)
-    for mode, group in delivery.groupby("mode"):
-        values = np.sort(1000 * group.ttft_s.dropna().to_numpy())
-        ax.plot(np.arange(1, len(values) + 1) / len(values), values, label=f"delivered at {mode.replace('_', ' ')}")
-    ax.set(xlabel="fraction of streams", ylabel="ms to first token", title=title)
-    ax.legend()
-    return fig
+def with_range(ax: Any, x: Any, table: Any, column: str, scale: float = 1.0, **style: Any) -> None:
+    """``column_median`` as a line with markers, ``column_min``–``column_max`` as error bars (the
+    columns :func:`labkit.lab.spread` makes)."""
+    med, lo, hi = (scale * table[f"{column}_{s}"].to_numpy() for s in ("median", "min", "max"))
+    ax.errorbar(x, med, yerr=[med - lo, hi - med], capsize=3, **style)

@@ -36,3 +36,12 @@ PROMPTS: tuple[str, ...] = (
     "The garden was overgrown with roses and ivy, and in the middle stood a stone fountain that had not worked in years.",
     "A careful experiment states its hypothesis, holds everything else constant, and says in advance what result would refute it.",
 )
+
+
+def context_ids(tokenizer: object, batch: int, context: int) -> list[list[int]]:
+    """``batch`` different prompts of exactly ``context`` token ids each, cut from the prompts
+    above run together (for engine measurements that need a fixed context)."""
+    ids = list(tokenizer.encode(" ".join(PROMPTS)))  # type: ignore[attr-defined]
+    if len(ids) < context + batch:
+        raise ValueError(f"the prompts give {len(ids)} tokens: too few for {batch} contexts of {context}")
+    return [ids[i : i + context] for i in range(batch)]

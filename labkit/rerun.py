@@ -64,23 +64,23 @@ def noisy_runs(data_dir: Path, since: float) -> list[str]:
     import json
 
     warnings = []
-    for path in sorted(data_dir.glob("*/results.json")):
+    for path in sorted(data_dir.glob("*/*/results.json")):
         if path.stat().st_mtime < since:
             continue
         machine = json.loads(path.read_text()).get("machine") or {}
         if machine.get("quiet") is False:
             share = machine.get("others_cpu_share")
             warnings.append(
-                f"{path.parent.name}: the machine was not quiet (other processes used {share:.0%} of the CPUs); "
+                f"{path.parent.parent.name}.{path.parent.name}: the machine was not quiet (other processes used {share:.0%} of the CPUs); "
                 "its seconds are suspect, its step counts still hold"
             )
     return warnings
 
 
 def main(argv: list[str] | None = None) -> int:
-    from labkit.experiments.durations import record_durations
-    from labkit.experiments.profiles import get_profile
-    from labkit.experiments.results import _git_commit
+    from labkit.lab.notebook import record_durations
+    from labkit.lab.profiles import get_profile
+    from labkit.lab.record import code_dirty, git_commit
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--profile", default=os.environ.get("LABKIT_PROFILE", "full"), choices=["ci", "full"])
@@ -94,8 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     seconds: dict[str, float] = {}
     failed: dict[str, str] = {}
     profile = get_profile(args.profile)
-    from labkit.experiments.readings import code_dirty
-
     if code_dirty():
         print("WARNING: labkit/ or tests/ has uncommitted changes; results.json will say so", flush=True)
     for path in paths:
@@ -110,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             failed[path.stem] = error
             print(f"  FAILED after {took:.0f} s: {error} (outputs so far kept in the notebook)", flush=True)
-    table = record_durations(profile, seconds, _git_commit())  # only notebooks that ran to the end
+    table = record_durations(profile, seconds, git_commit())  # only notebooks that ran to the end
     print()
     print(closing_note(seconds, args.profile))
     for name, error in failed.items():

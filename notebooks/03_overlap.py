@@ -16,180 +16,226 @@
 # %% [markdown]
 # # 3. Overlapping streams: what batching buys, and what a single stream pays
 #
-# The same server answers 1, 2, 4, ... streams sent at the same moment, each on its own
-# connection, and we measure from the client's side: the makespan (first request sent to last
-# stream ended), the aggregate tokens per second, the time to first token and the gap between
-# tokens, and from the server's step log (`GET /lab/steps`) how many engine steps each level took.
-# Every stream makes exactly the same number of tokens (`ignore_eos`), every condition is repeated
-# in the order A B C, A B C, and the baseline is measured in the same sweep: serving N streams one
-# after another takes N times the median makespan of the sweep's own level-1 runs.
+# One server answers 1, 2, 4, … streams sent at the same moment, each on its own connection, and
+# we measure from the client's side: the makespan (first request sent to last stream ended), the
+# aggregate tokens per second, the time to first token and the gap between tokens; from the
+# server's step log (`GET /lab/steps`, where the target has one) how many engine steps each level
+# took. Every stream makes exactly the same number of tokens (end-of-sequence is ignored), every
+# condition is repeated in the order A B C, A B C, and the baseline is measured in the same sweep:
+# serving N streams one after another takes N times the median makespan of the sweep's own
+# level-1 runs.
 #
-# ## Hypotheses, and what would falsify each (stated before measuring)
-#
-# * **overlap**: the largest level reaches at least twice the aggregate tokens/s of one stream.
-#   Falsified if the median ratio (same repetition) is below 2.
-# * **per-stream gap**: each stream's gap between tokens grows much less than the number of
-#   streams. Falsified if the median gap at the largest level is at least a quarter of
-#   (number of streams × the gap at 1).
-# * **joiner waits a step**: a request that joins a running batch waits for the step in progress
-#   and its own prefill, and no more. Falsified if the median joiner has its first token sampled
-#   more than `Config.joiner_steps` engine steps after the server took it.
-# * **idle means idle**: joiners spaced beyond their own run find the engine idle. Falsified if any
-#   joiner of the idle condition was sent while another request ran (then it is not a baseline).
+# Each measurement below is one cell: change a size in the call (`run(overlap.LEVELS, target,
+# levels=(1, 64))`) and re-run that cell alone; the tables and figures under it read the result it
+# kept and measure nothing again.
 
 # %% tags=["parameters"]
-# Parameters: papermill replaces this cell's values (`papermill -p profile_name ci`).
-# "full": SmolLM2-135M at the chapter's sizes; "ci": the tiny random GPT-2, a test run.
-# LABKIT_PROFILE in the environment that started Jupyter overrides the default.
+# Parameters (papermill replaces these: `papermill -p profile_name ci`). "full": SmolLM2-135M at
+# the chapter's sizes; "ci": the tiny random GPT-2, a test run. LABKIT_PROFILE in the environment
+# that started Jupyter sets the default. target_url "": labkit in a background thread; a URL:
+# any OpenAI-compatible server (the measurements it cannot witness say so).
 import os
 
 profile_name = os.environ.get("LABKIT_PROFILE", "full")
-model_name = ""  # "" runs the profile's model
+model_name = ""
+target_url = ""
+device = "cpu"
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-import labkit
-from labkit.experiments import chapter, overlap
-from labkit.experiments.results import save_run
-from labkit.experiments.notebook import settings_table, setup_notebook
-from labkit.experiments.progress import measuring
-from labkit.experiments.readings import quiet_line, verdict_lines, verdict_table
-from IPython.display import Markdown, display
+from labkit.experiments import overlap
+from labkit.lab import run, setup, target_for
 
-profile = setup_notebook(profile_name, model_name, notebook="03_overlap")
-config = overlap.Config.for_profile(profile)
-settings_table(config)
+profile = setup("03_overlap", profile_name, model_name, device=device)
+target = target_for(profile, target_url, device=device)
+target
 
 # %% [markdown]
-# This cell runs four measurements in turn; the bar names each one as it starts.
+# ## 1. Levels
+#
+# Hypotheses, with what would falsify each, fixed before measuring:
+#
+# * **every stream whole**: every stream of every level ends with its own end, at the same length
+#   in every repetition. Falsified by any failed stream or a level whose token count varies.
+# * **overlap in steps**: the engine advances the streams of the largest level together: a step
+#   makes at least half as many tokens as there are streams. Falsified below that (a step log is
+#   needed; it counts steps, so it does not depend on the engine's speed).
+# * **overlap**: the largest level reaches at least twice the aggregate tokens/s of one stream.
+#   Falsified if the 95% interval of the paired ratio (same repetition) lies below 2; "unclear"
+#   when the interval straddles it.
+# * **per-stream gap**: a stream's median gap grows much less than the number of streams.
+#   Falsified if the median gap ratio is at least a quarter of the number of streams.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-with measuring(overlap, config, profile) as progress, labkit.serve_in_thread(**overlap.server_options(config)) as server:
-    print(f"serving {server.engine.model.name} at {server.url}, batch limit {server.config.engine.max_batch}")
-    tables = overlap.run(config, server=server, progress=progress)
-elapsed = progress.elapsed_s
-print(quiet_line(progress.machine))
+levels = run(overlap.LEVELS, target)
 
 # %% [markdown]
-# ## What must hold whatever the timings
-#
-# One line per invariant; it reads the same under any profile when the invariant holds.
+# The sizes beside the chapter's (a row says why where they differ):
 
 # %%
-# NBVAL_CHECK_OUTPUT
-print(overlap.report(tables))
+# NBVAL_IGNORE_OUTPUT
+levels.scale()
 
 # %% [markdown]
-# ## Levels
-#
 # Median and min–max over the repetitions of each level. `speedup` is the back-to-back baseline
-# (the level times the median level-1 makespan of this sweep) over the makespan, so level 1's own
-# speedups show the noise the others are read against; `steps` and `tokens_per_step` come from
-# the engine's step log. Requests that arrive together are admitted in one step; each first token
-# is handed over as its own prefill ends, so an early stream's first gap also holds the later
-# prefills of that step, which is what lifts the p99 gap at the larger levels.
+# over the makespan, so level 1's own speedups show the noise the others are read against;
+# `steps` and `tokens_per_step` come from the engine's step log.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-overlap.levels_table(tables["levels"])
+levels.table("levels")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-found = overlap.findings(tables)
-display(Markdown(found["levels"]))
+levels.verdict_table()
 
 # %% [markdown]
-# ## Why the aggregate grows: the cost of a decode step, in both modes
-#
-# The engine decodes every running sequence in one pass, so a step's cost is a fixed part plus a
-# part per sequence. Both modes are measured in the same run, every (batch, mode) point timed in
-# rounds interleaved with the others: batch-invariant (the engine's default, which sums each
-# element of every matmul in one fixed order so a row's result does not depend on its neighbours)
-# and plain. Look at whether the invariant mode costs more than the plain one at any batch size, and
-# whether `vs_smaller_batch` says any point is lower than the smaller batch's beyond the noise.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-tables["step_cost"]
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-display(tables["step_fit"])
-display(Markdown(found["step_cost"]))
-
-# %% [markdown]
-# ## Late joiners
-#
-# Short requests into an idle engine (each sent a short pause after the previous one ended, so
-# none overlaps another) and at random moments while long streams decode (every long stream has
-# its first token before the first joiner is sent, and runs to its full length). The conditions
-# are named by the measured count of long streams running when the joiners were sent. Time to
-# first token is shown in seconds and in engine steps from the server taking the request to the
-# engine sampling its first token.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-overlap.joiners_table(tables["joiners"])
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-display(Markdown(found["joiners"]))
-
-# %% [markdown]
-# ## First-token delivery: at the end of its own prefill, or at the end of the step
-#
-# Many requests arriving together are admitted in one step and prefilled. If every first token
-# waits for the step to end, all of them arrive when the last prefill is done; if each is handed
-# over as soon as its own prefill is done, the early ones can arrive sooner and the last one no
-# later. The hub does both (`first_token="prefill"` or `"step_end"`); the two servers run side by
-# side and their repetitions are interleaved.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-overlap.delivery_table(tables["delivery"])
-
-# %% [markdown]
-# ## Verdicts
-#
-# Each hypothesis judged against its criterion, with the numbers that decided it.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-verdicts = overlap.verdicts(tables, config.joiner_steps)
-verdict_table(verdicts)
-
-# %% [markdown]
-# The verdicts that hold under both profiles (the tiny random model of the `ci` profile and
-# SmolLM2 of the `full` one) are checked when the notebook is tested:
+# The verdicts that must come out the same under every profile and engine speed (checked by CI):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(verdict_lines(v for v in verdicts if v.name in overlap.CHECKED))
+print(levels.checked())
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-figures = overlap.plot(tables)
-written = save_run(overlap, config, profile, tables, elapsed, figures, machine=progress.machine)
-print("figures:", ", ".join(p.name for p in written["figures"]), "| results:", written["results"])
+levels.plot();
 
 # %% [markdown]
-# ## Beside the chapter
+# Read the speedup against level 1's own spread, and the step counts against the token counts:
+# at the largest level nearly every step advances every stream, which is where the aggregate
+# comes from. The price is paid by each stream, in its gap between tokens and, for requests that
+# arrive together, in the first token.
+
+# %% [markdown]
+# ## 2. Why the aggregate grows: the cost of a decode step, in both modes
 #
-# The chapter's numbers come from a GPU, where a decode step is mostly fixed cost; on two CPU
-# cores a step costs more and grows faster with the batch, so compare ratios rather than
-# absolute figures. The `full` profile runs the chapter's sizes (32 streams, 64 tokens).
+# A step decodes every running sequence in one pass, so its cost is a part that does not grow
+# with the batch and a part per sequence. Both modes are timed in the same run, every (batch,
+# mode) point in rounds interleaved with the others, on engines kept alive in this process: the
+# batch-invariant mode (the default: every element of every product summed in one fixed order,
+# so a row's result does not depend on its neighbours) and the plain one (the library's
+# products). The table after the costs gives, per mode, the measured step at the smallest batch
+# (what every step pays) and the marginal cost of one more sequence between the smallest and the
+# largest batch, with the rounds' range: measured quantities, not a fitted line.
+#
+# * **invariant costs no more**: the invariant step costs at most 1.15× the plain one at every
+#   batch. Falsified by a median ratio above that at any batch.
+# * **a step for many is cheap**: a step of the largest batch costs less than half as many times
+#   a step of one as it has sequences (invariant mode). Falsified at or above that.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-chapter.overlap_beside(tables)
+step_cost = run(overlap.STEP_COST, target)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+step_cost.table("step_cost")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+step_cost.table("marginal")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+step_cost.verdict_table()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(step_cost.checked())
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+step_cost.plot();
 
 # %% [markdown]
-# How to read it: the speedup over back-to-back serving is the direct measure of what overlap
-# buys, and the step-cost lines say where it comes from: where the per-sequence part of a step
-# is small against the fixed part, a step for many costs little more than a step for one. Check
-# that against the plain mode too, since the invariant mode multiplies through its own kernel, not
-# the library's. The price is paid by each stream in its gap between tokens and, for
-# requests that arrive together, in the time to first token. A late joiner's first token should
-# take one step of the batch it joins plus its own prefill: compare the joiners' steps with 1,
-# and their seconds with the idle engine's.
+# ## 3. Late joiners
+#
+# Short requests into an idle engine (each sent a moment after the previous one ended, so none
+# overlaps another) and into running batches. A joiner into a batch is sent when the first long
+# stream has made a number of tokens drawn at random, so the moment falls at the same point of
+# the run however fast the engine is. From the server's records each joiner's wait is counted in
+# steps begun meanwhile and in durations of the steps it waited through: in an idle engine the
+# wait is its own prefill; in a running batch the step in progress comes first.
+#
+# * **every joiner answered**: every joiner gets its first token. Falsified by any failure.
+# * **a joiner waits about a step**: the median joiner into a running batch has its first token
+#   sampled within two step durations of its arrival. Falsified above two. Unlike a count of
+#   steps begun, this is in the unit of the batch it joins, so a joiner that waited for a long
+#   prefill of others would show it.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+joiners = run(overlap.JOINERS, target)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+joiners.table("joiners")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+joiners.verdict_table()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(joiners.checked())
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+joiners.plot();
+
+# %% [markdown]
+# ## 4. First-token delivery: at the end of its own prefill, or at the end of the step
+#
+# Many requests arriving together are admitted and prefilled; if every first token waits for
+# the step to end, all arrive when the last prefill is done; handed over as each prefill ends,
+# the early ones may arrive sooner. The hub does both (`first_token="prefill"` or `"step_end"`);
+# the two servers take turns, repetition after repetition. The chapter's exercise asks which part
+# of the distribution improves; the table answers it per quantile: step-end over prefill, paired
+# by repetition, with its 95% interval.
+#
+# * **prefill delivery: earlier at the median**: falsified if the interval at the median lies
+#   below 1.
+# * **prefill delivery: the last no later**: falsified if the interval at the maximum lies below 1.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+delivery = run(overlap.DELIVERY, target)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+delivery.table("by_quantile")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+delivery.verdict_table()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(delivery.checked())
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+delivery.plot();
+
+# %% [markdown]
+# ## 5. What the client in this process costs the numbers above
+#
+# Every measurement above runs the server in a thread of this notebook's own interpreter, beside
+# the client that reads it, and the two share the interpreter's lock and the cores. The same top
+# level is served here from a thread and from a process of its own, interleaved: the ratio says
+# how far the absolute tokens/s above understate what the server does alone (notebook 09 runs
+# every server in its own process). Ratios within this notebook compare like with like.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+share = run(overlap.CLIENT_SHARE, target)
+share.table("servers")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+share.verdict_table()
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+target.close()

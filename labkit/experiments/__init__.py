@@ -1,58 +1,34 @@
-"""The lab's experiments: one module each, found by name.
-
-Every experiment module provides the same few names, so the CLI, the notebooks and the tests
-drive all of them the same way:
-
-``NAME: str``
-    The experiment's name (``labkit run NAME``; ``data/NAME/``; figure names start with it).
-``Config``
-    A frozen dataclass with a ``model`` field and ``Config.for_profile(profile) -> Config``
-    (``profile`` is a :class:`labkit.experiments.profiles.Profile`; its ``model`` is the default).
-``server_options(config) -> dict``
-    Keyword arguments for ``labkit.serve_in_thread`` (model, policy, engine and hub settings),
-    so a notebook can start the server itself and pass it to ``run``.
-``run(config, *, server=None, progress=None) -> dict[str, pandas.DataFrame]``
-    Runs the measurement and returns named tables. Without ``server`` it starts its own with
-    :func:`labkit.experiments.servers.serving` and stops it; ``progress`` gets ``update(n)`` calls.
-``plot(tables) -> list[matplotlib.figure.Figure]``
-    Each figure labelled with its file name (``fig.set_label``), which ``labkit.plots.savefig`` uses.
-
-Optional: ``units(config) -> int`` (the progress bar's total) and ``summary(tables) -> dict``
-(headline numbers for ``results.json`` and the notebooks' closing notes).
-
-New experiments are added by a line in :data:`EXPERIMENTS`; a module not yet written is simply
-not listed by :func:`names`.
-"""
+"""The lab's experiments: one module per notebook, each a few :class:`~labkit.lab.Experiment`
+specs (``SPECS``), run by :func:`labkit.lab.run`. One registry: :data:`GROUPS`."""
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
-from types import ModuleType
 
-__all__ = ["EXPERIMENTS", "names", "load"]
+from labkit.lab.experiment import Experiment
 
-#: experiment name -> module, in the order ``labkit run all`` runs them.
-EXPERIMENTS: dict[str, str] = {
-    "wire": "labkit.experiments.wire",
-    "isolation": "labkit.experiments.isolation",
-    "overlap": "labkit.experiments.overlap",
-    "buffers": "labkit.experiments.buffers",
-    "slowclient": "labkit.experiments.slowclient",
-    "disconnect": "labkit.experiments.disconnect",
-    "leak": "labkit.experiments.leak",
-    "extensions": "labkit.experiments.extensions",
-    "production": "labkit.experiments.production",
-}
+__all__ = ["GROUPS", "specs", "names"]
+
+#: the notebook experiments, in the order ``labkit run all`` runs them
+GROUPS = ("wire", "isolation", "overlap", "buffers", "slowclient", "disconnect", "leak", "extensions", "production")
+
+
+def _module_specs(group: str) -> tuple[Experiment, ...]:
+    return tuple(importlib.import_module(f"labkit.experiments.{group}").SPECS)
+
+
+def specs(name: str) -> list[Experiment]:
+    """``all``, a group (``overlap``) or one measurement (``overlap.levels``); KeyError naming the known ones."""
+    if name == "all":
+        return [spec for group in GROUPS for spec in _module_specs(group)]
+    group = name.split(".")[0]
+    if group not in GROUPS:
+        raise KeyError(f"unknown experiment {name!r}; known: {', '.join(GROUPS)}")
+    found = [spec for spec in _module_specs(group) if spec.name == name or spec.group == name]
+    if not found:
+        raise KeyError(f"unknown measurement {name!r}; {group} has {', '.join(s.name for s in _module_specs(group))}")
+    return found
 
 
 def names() -> list[str]:
-    """Experiments whose module exists in this checkout, in run order."""
-    return [name for name, module in EXPERIMENTS.items() if importlib.util.find_spec(module) is not None]
-
-
-def load(name: str) -> ModuleType:
-    """The module of experiment ``name``; KeyError with the known names otherwise."""
-    if name not in EXPERIMENTS:
-        raise KeyError(f"unknown experiment {name!r}; known: {', '.join(EXPERIMENTS)}")
-    return importlib.import_module(EXPERIMENTS[name])
+    return [spec.name for spec in specs("all")]

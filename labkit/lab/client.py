@@ -1,0 +1,372 @@
+"""The lab's one client: httpx for ordinary streams, a raw h11 socket where the socket matters.
+
+Both readers take a :class:`Request` and :class:`~labkit.lab.stream.ReadOptions` and fill one
+:class:`~labkit.lab.stream.Stream`, so a table mixes them freely. The raw reader owns its socket:
+a client that never reads, one that takes N bytes per read, one with a small receive buffer, or
+one that leaves by FIN or RST at an exact moment. Leaving by FIN is ``shutdown(SHUT_WR)`` (the
+client then drains what is in flight so the close stays orderly); leaving by RST arms a zero
+linger and closes.
+
+Bounded against a hostile server: every request has an overall deadline (``timeout``; a trickle
+of one byte a second cannot reset it), every body a size cap, and compression is declined
+(``Accept-Encoding: identity``), so a small gzip bomb cannot become gigabytes here. Proxies from
+the environment are not used: the lab measures a direct route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import h11
+import httpx
+
+from labkit.lab.stream import API, EventSplitter, LeaveBy, ReadOptions, Stream, json_or_text
+
+__all__ = ["Request", "Launch", "read", "makespan", "async_client", "get_json", "run_sync", "leave_socket", "JSON_CAP"]
+
+T = TypeVar("T")
+JSON_CAP = 8 << 20  # bytes of a JSON answer the client reads at most
+BASE_HEADERS = {"Accept-Encoding": "identity", "Accept": "text/event-stream, application/json"}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request as a target builds it: where, what, and in which dialect to read the answer."""
+
+    path: str
+    body: dict[str, Any] | None
+    api: API = "labkit"
+    method: str = "POST"
+    headers: dict[str, str] = field(default_factory=dict)
+    stream: bool = True  # False: a JSON answer is expected (a non-streamed completion, a GET)
+
+
+# --------------------------------------------------------------------------- httpx
+
+
+async def read(
+    url: str,
+    request: Request,
+    options: ReadOptions | None = None,
+    *,
+    client: httpx.AsyncClient | None = None,
+    result: Stream | None = None,
+    raw: bool = False,
+    leave: asyncio.Event | None = None,
+) -> Stream:
+    """Send ``request`` to ``url`` and read the answer as ``options`` say; never raises for I/O.
+
+    ``raw`` (or options only the raw reader honours, or a ``leave`` event to set) reads over a
+    socket of its own. Pass your own ``result`` to watch it fill while the stream runs.
+    """
+    options = options or ReadOptions()
+    result = result if result is not None else Stream(api=request.api)
+    result.api, result.sent = request.api, time.perf_counter()
+    raw = raw or leave is not None or not options.read or options.rcvbuf is not None
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            if raw:
+                work = _raw(url, request, options, result, leave or asyncio.Event())
+            else:
+                if client is None:
+                    client = await stack.enter_async_context(async_client(url, 1, options.timeout))
+                work = _httpx(client, request, options, result)
+            await asyncio.wait_for(work, options.bound_s + options.drain_after_fin_s + 0.5)
+    except asyncio.TimeoutError:
+        if result.left is None:
+            result.error = f"no end within the {options.timeout:g} s bound of one request"
+    except (httpx.HTTPError, OSError, h11.ProtocolError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:300]
+    result.ended = result.ended or time.perf_counter()
+    if result.error is None:
+        result.error = _refusal(result, request.stream)
+    return result
+
+
+def async_client(url: str, connections: int = 64, timeout: float = 300.0) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout, trust_env=False, headers=BASE_HEADERS)
+
+
+async def _httpx(client: httpx.AsyncClient, request: Request, options: ReadOptions, result: Stream) -> None:
+    body = None if request.body is None else json.dumps(request.body).encode()
+    headers = {**request.headers, **({"Content-Type": "application/json"} if body is not None else {})}
+    async with client.stream(request.method, request.path, content=body, headers=headers) as response:
+        _note_head(result, response.status_code, dict(response.headers), time.perf_counter())
+        sock = _socket(response)
+        if not result.content_type.startswith("text/event-stream"):
+            result.body = json_or_text(await _capped(response.aiter_raw(), JSON_CAP, result))
+            result.ended = time.perf_counter()
+            return
+        splitter = EventSplitter()
+        deadline = None if options.leave_after_s is None else result.sent + options.leave_after_s
+        chunks = response.aiter_raw()
+        while not _should_leave(result, options):
+            left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            try:
+                chunk = await asyncio.wait_for(chunks.__anext__(), left)
+            except StopAsyncIteration:
+                result.ended = time.perf_counter()
+                break
+            except asyncio.TimeoutError:
+                break
+            if not _take(result, splitter, chunk, time.perf_counter(), options):
+                return
+            if options.pace:
+                await asyncio.sleep(options.pace)
+        result.unfinished_bytes, result.last_event_id = splitter.pending, splitter.parser.last_event_id
+        if result.ended is None and sock is not None:
+            await _leave(result, options, sock, _drain_stream(response))
+
+
+def _socket(response: httpx.Response) -> socket.socket | None:
+    stream = response.extensions.get("network_stream")
+    return None if stream is None else stream.get_extra_info("socket")
+
+
+def _drain_stream(response: httpx.Response) -> Any:
+    stream = response.extensions.get("network_stream")
+    return None if stream is None else (lambda: stream.read(65536))
+
+
+async def _capped(chunks: Any, cap: int, result: Stream) -> bytes:
+    kept = bytearray()
+    async for chunk in chunks:
+        result.total_bytes += len(chunk)
+        if len(kept) + len(chunk) > cap:
+            raise httpx.ReadError(f"answer larger than the client's cap of {cap // (1 << 20)} MiB")
+        kept += chunk
+    return bytes(kept)
+
+
+# --------------------------------------------------------------------------- shared
+
+
+def _note_head(result: Stream, status: int, headers: dict[str, str], now: float) -> None:
+    result.headers_at, result.status, result.headers = now, status, headers
+    result.content_type = headers.get("content-type", "")
+    result.request_id = headers.get("x-request-id")
+
+
+def _take(result: Stream, splitter: EventSplitter, chunk: bytes, now: float, options: ReadOptions) -> bool:
+    """Feed one read; False (with the error set) once a bound on the stream is passed."""
+    result.total_bytes += len(chunk)
+    if result.total_bytes > options.max_bytes:
+        result.error = f"the stream passed the client's cap of {options.max_bytes:,} bytes"
+        return False
+    for event in splitter.feed(chunk, now):
+        if len(result.events) >= options.max_events:
+            result.error = f"the stream passed the client's cap of {options.max_events:,} events"
+            return False
+        result.add(event)
+    return True
+
+
+def _should_leave(result: Stream, options: ReadOptions) -> bool:
+    n = options.leave_after_tokens
+    return n is not None and result.headers_at is not None and len(result.token_times) >= n and not result.completed
+
+
+def leave_socket(sock: socket.socket, how: LeaveBy) -> None:
+    """FIN by shutting our sending side; RST by arming a zero linger (the close sends it)."""
+    if how == "rst":
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    else:
+        with contextlib.suppress(OSError):  # already gone: the server closed first
+            sock.shutdown(socket.SHUT_WR)
+
+
+async def _leave(result: Stream, options: ReadOptions, sock: socket.socket, recv: Any) -> None:
+    result.left, result.left_at = options.leave_by, time.perf_counter()
+    leave_socket(sock, options.leave_by)
+    if options.leave_by == "rst":
+        sock.close()
+    elif recv is not None:
+        with contextlib.suppress(Exception):  # a timeout, the peer's RST or close ends the drain
+            await asyncio.wait_for(_drain(recv, result), options.drain_after_fin_s)
+    result.ended = time.perf_counter()
+
+
+async def _drain(recv: Any, result: Stream) -> None:
+    while chunk := await recv():
+        result.drained_bytes += len(chunk)
+
+
+def _refusal(result: Stream, stream: bool) -> str | None:
+    """An answer other than the one asked for, as one line: the status and the server's message."""
+    if result.status == 0 or (result.status == 200 and stream == result.content_type.startswith("text/event-stream")):
+        return None
+    if 300 <= result.status < 400:
+        where = urlsplit(result.headers.get("location", "")).netloc or "no Location"
+        return f"HTTP {result.status} redirect to {where}"
+    body = result.body
+    inner = body.get("error", body) if isinstance(body, dict) else body
+    message = inner.get("message") or inner.get("detail") or inner if isinstance(inner, dict) else inner
+    text = " ".join(str(message or "").split())[:160] or "(empty body)"
+    what = f"HTTP {result.status}" if result.status != 200 else f"answered {result.content_type or 'no content type'}"
+    return f"{what}: {text}"
+
+
+# --------------------------------------------------------------------------- raw socket
+
+
+async def _raw(url: str, request: Request, options: ReadOptions, result: Stream, leave: asyncio.Event) -> None:
+    parts = urlsplit(url)
+    if parts.scheme != "http":
+        raise OSError(f"the raw reader speaks plain http only, not {parts.scheme}")
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    loop = asyncio.get_running_loop()
+    info = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    sock = socket.socket(info[0][0], socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        if options.rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, options.rcvbuf)
+        await loop.sock_connect(sock, info[0][4])
+        result.sent = time.perf_counter()
+        conn = h11.Connection(h11.CLIENT)
+        await loop.sock_sendall(sock, _wire(conn, f"{host}:{port}", request))
+        if options.read:
+            await _read_raw(sock, conn, result, options, leave)
+        else:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(leave.wait(), max(0.0, result.sent + options.bound_s - time.perf_counter()))
+        if result.ended is None:
+            await _leave(result, options, sock, lambda: loop.sock_recv(sock, 65536))
+    finally:
+        sock.close()
+
+
+def _wire(conn: h11.Connection, host: str, request: Request) -> bytes:
+    payload = b"" if request.body is None else json.dumps(request.body).encode()
+    fields = [("Host", host), ("Connection", "close"), *BASE_HEADERS.items(), *request.headers.items()]
+    if request.body is not None:
+        fields += [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))]
+    wire = conn.send(h11.Request(method=request.method, target=request.path, headers=fields)) or b""
+    if payload:
+        wire += conn.send(h11.Data(data=payload)) or b""
+    return wire + (conn.send(h11.EndOfMessage()) or b"")
+
+
+async def _read_raw(
+    sock: socket.socket, conn: h11.Connection, result: Stream, options: ReadOptions, leave: asyncio.Event
+) -> None:
+    loop, splitter, kept = asyncio.get_running_loop(), EventSplitter(), bytearray()
+    flag = asyncio.ensure_future(leave.wait())
+    try:
+        while not leave.is_set() and not _should_leave(result, options):
+            left = result.sent + options.bound_s - time.perf_counter()
+            recv = asyncio.ensure_future(loop.sock_recv(sock, options.read_bytes))
+            await asyncio.wait({recv, flag}, timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED)
+            if not recv.done():
+                recv.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await recv
+                return
+            data = recv.result()
+            conn.receive_data(data)
+            try:
+                complete = _raw_events(conn, result, splitter, kept, options)
+            except h11.RemoteProtocolError:
+                if data or result.headers_at is None:
+                    raise
+                complete = True  # closed mid-body: a cut stream, not a client error
+            if complete or not data or result.error:
+                result.ended = time.perf_counter()
+                break
+            if options.pace:
+                await asyncio.sleep(options.pace)
+    finally:
+        flag.cancel()
+    if result.headers_at is not None and not result.content_type.startswith("text/event-stream"):
+        result.body = json_or_text(bytes(kept))
+
+
+def _raw_events(conn: h11.Connection, result: Stream, splitter: EventSplitter, kept: bytearray, o: ReadOptions) -> bool:
+    now = time.perf_counter()
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            return False
+        if isinstance(event, h11.Response):
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
+            _note_head(result, event.status_code, headers, now)
+        elif isinstance(event, h11.Data):
+            if result.content_type.startswith("text/event-stream"):
+                if not _take(result, splitter, bytes(event.data), now, o):
+                    return True
+                result.unfinished_bytes, result.last_event_id = splitter.pending, splitter.parser.last_event_id
+            elif len(kept) + len(event.data) > JSON_CAP:
+                result.error = f"answer larger than the client's cap of {JSON_CAP >> 20} MiB"
+                return True
+            else:
+                kept += event.data
+        elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+            return True
+
+
+# --------------------------------------------------------------------------- many at once
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Streams started together; ``makespan``: first request sent to last stream ended."""
+
+    streams: list[Stream]
+    makespan: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.streams)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.makespan if self.makespan > 0 else float("nan")
+
+
+def makespan(streams: Sequence[Stream]) -> float:
+    if not streams:
+        return 0.0
+    return max(s.ended or s.sent for s in streams) - min(s.sent for s in streams)
+
+
+def get_json(url: str, path: str, *, timeout: float = 10.0, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """``GET url+path``: the status and the JSON (or text) body, read within ``timeout`` seconds
+    and :data:`JSON_CAP` bytes in all; raises ``OSError`` when either is passed."""
+    request = Request(path, None, method="GET", headers=headers or {}, stream=False)
+    answer = run_sync(read(url, request, ReadOptions(timeout=timeout)))
+    if answer.status == 0 or (answer.error and not answer.error.startswith("HTTP")):
+        raise OSError(answer.error or "no answer")
+    return answer.status, answer.body
+
+
+def run_sync(coro: Awaitable[T]) -> T:
+    """Run a coroutine to the end from synchronous code, even inside Jupyter's running loop (then
+    on a fresh loop in a helper thread, joined before returning)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro)  # type: ignore[arg-type]
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="labkit-run-sync")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

@@ -1,0 +1,137 @@
+"""An experiment as data: its sizes per profile, its conditions, and what one trial measures.
+
+One :class:`Experiment` is one measurement (a notebook runs several, one per cell). It names its
+sizes for each profile (``full`` is the chapter's unless :attr:`Experiment.chapter` says where and
+why not), builds its conditions from them and from what the target can do, and measures one
+condition on one target in :attr:`Experiment.measure`, returning a row (or rows); the runner
+(:func:`labkit.lab.runner.run`) interleaves the repetitions, keeps every row, and turns them into
+tables, verdicts and figures with the experiment's own functions. Where the engine is what is
+timed, sizes count steps and tokens, not seconds, so a faster or slower engine changes no verdict.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from labkit.lab.target import Target
+from labkit.lab.verdict import Verdict
+
+__all__ = ["Sizes", "Experiment", "Trial", "Tables"]
+
+Tables = dict[str, pd.DataFrame]
+Row = dict[str, Any]
+
+
+class Sizes(dict[str, Any]):
+    """An experiment's sizes (``sizes.levels``), checked when changed: an override must name a
+    known size and keep its kind."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def changed(self, **overrides: Any) -> Sizes:
+        out = Sizes(self)
+        for key, value in overrides.items():
+            if key not in self:
+                close = difflib.get_close_matches(key, list(self), n=3)
+                hint = f" (did you mean {', '.join(close)}?)" if close else f"; known: {', '.join(self)}"
+                raise ValueError(f"no size named {key!r}{hint}")
+            old = self[key]
+            if isinstance(old, tuple) and isinstance(value, list):
+                value = tuple(value)
+            if (
+                old is not None
+                and not isinstance(value, type(old))
+                and not (isinstance(old, float) and isinstance(value, int))
+            ):
+                raise ValueError(f"size {key!r} is a {type(old).__name__}, got {value!r}")
+            out[key] = value
+        return out
+
+
+def _nothing(*_: Any) -> Any:
+    return {}
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One measurement, as data. See the module docstring.
+
+    ``conditions(sizes, target)`` lists the conditions (dicts of named values, in run order);
+    ``server(sizes, condition)`` the settings a condition's server needs (asked only of targets
+    that can start servers with settings); ``prepare(target, sizes)`` runs once before the trials
+    (a warm-up, a baseline) and its value is ``trial.state``; ``measure(trial)`` returns a row or
+    rows; ``tables(rows, sizes)``, ``verdicts(tables, sizes)`` and ``plots(tables, sizes)`` derive
+    the rest. ``needs`` names the target capabilities without which nothing here can be measured.
+    ``chapter`` maps a size to ``(the chapter's value, why this run differs)`` where they differ.
+    """
+
+    name: str
+    title: str
+    sizes: Mapping[str, Mapping[str, Any]]
+    measure: Callable[[Trial], Row | list[Row]]
+    conditions: Callable[[Sizes, Target], Sequence[Row]] = lambda sizes, target: [{}]
+    server: Callable[[Sizes, Row], Row] = _nothing
+    prepare: Callable[[Target, Sizes], Any] | None = None
+    tables: Callable[[pd.DataFrame, Sizes], Tables] = _nothing
+    verdicts: Callable[[Tables, Sizes], list[Verdict]] = lambda tables, sizes: []
+    plots: Callable[[Tables, Sizes], list[Any]] = lambda tables, sizes: []
+    needs: tuple[str, ...] = ()
+    chapter: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+
+    @property
+    def group(self) -> str:
+        """The notebook's experiment this measurement belongs to (``overlap`` of ``overlap.levels``)."""
+        return self.name.split(".")[0]
+
+    def sizes_for(self, profile: str, **overrides: Any) -> Sizes:
+        return Sizes(self.sizes[profile]).changed(**overrides)
+
+    def scale(self, sizes: Sizes) -> pd.DataFrame:
+        """Each size against the chapter's: "chapter | this run | why" where they differ."""
+        rows = []
+        for key, value in sizes.items():
+            chapter, why = self.chapter.get(key, (value, ""))
+            rows.append({"size": key, "this run": _text(value), "chapter": _text(chapter), "why it differs": why})
+        table = pd.DataFrame(rows, columns=["size", "this run", "chapter", "why it differs"])
+        table.loc[table["this run"] == table["chapter"], "why it differs"] = ""
+        return table.set_index("size")
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return ", ".join(map(str, value)) if value else "(none)"
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+
+
+@dataclass
+class Trial:
+    """One condition of one repetition, as :attr:`Experiment.measure` sees it.
+
+    ``keep(table, rows)`` adds rows to a named side table (one row per stream, say) beside the
+    trial's own row; the condition's values and the repetition are added to every row.
+    """
+
+    target: Target
+    condition: Row
+    sizes: Sizes
+    repetition: int
+    state: Any = None
+    kept: dict[str, list[Row]] = field(default_factory=dict)
+
+    def keep(self, table: str, rows: Row | list[Row]) -> None:
+        self.kept.setdefault(table, []).extend([rows] if isinstance(rows, dict) else rows)
+
+    def __getattr__(self, name: str) -> Any:  # trial.level reads condition["level"]
+        condition = self.__dict__.get("condition", {})
+        if name in condition:
+            return condition[name]
+        raise AttributeError(name)

@@ -1,0 +1,253 @@
+"""What the lab's client is told to do, and what it saw of one request.
+
+One :class:`Stream` serves both dialects a target may speak: labkit's own events (``start``,
+``token``, ``done``, ``error``, each with an id; token events carry token ids) and OpenAI's
+unnamed chunks (``choices[0].text`` or ``.delta.content``, an optional usage chunk, ``data:
+[DONE]``). Events are interpreted as they arrive, so a table reads ``tokens``, ``ttft`` or
+``finish_reason`` the same way whichever server answered. Times are ``time.perf_counter()``
+values: the engine stamps its records with the same clock, so a client's times and a labkit
+server's compare directly.
+
+Every read is bounded, because a target may be hostile: ``ReadOptions.timeout`` bounds the whole
+request, ``max_bytes`` a stream's body and ``max_events`` the events kept; going past a bound ends
+the read with an ``error`` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from labkit.sse import SSEParser
+
+__all__ = ["API", "LeaveBy", "ReadOptions", "TimedEvent", "Stream", "EventSplitter", "json_or_text"]
+
+API = Literal["labkit", "openai", "openai-chat"]
+LeaveBy = Literal["fin", "rst"]
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How to read: at once or paced, to the end or leaving early, and within what bounds.
+
+    ``pace`` seconds are slept after every read (a slow reader). ``leave_after_tokens=0`` leaves
+    once the head is in; ``leave_after_s`` counts from sending; the first of these, or
+    ``timeout``, ends the read and the client leaves by ``leave_by``. After a FIN it reads on,
+    uncounted, for at most ``drain_after_fin_s`` so the close stays a FIN. The raw reader alone
+    honours ``read_bytes`` (the most one read takes), ``read=False`` (never read a byte) and
+    ``rcvbuf`` (``SO_RCVBUF`` before connecting, which stops Linux from growing it).
+    """
+
+    pace: float = 0.0
+    leave_after_tokens: int | None = None
+    leave_after_s: float | None = None
+    leave_by: LeaveBy = "fin"
+    drain_after_fin_s: float = 2.0
+    timeout: float = 300.0
+    read_bytes: int = 64 * 1024
+    read: bool = True
+    rcvbuf: int | None = None
+    max_bytes: int = 64 * MiB
+    max_events: int = 200_000
+
+    def __post_init__(self) -> None:
+        if self.leave_by not in ("fin", "rst"):
+            raise ValueError(f"ReadOptions.leave_by must be 'fin' or 'rst', got {self.leave_by!r}")
+        if self.pace < 0 or not 0 < self.timeout <= 24 * 3600 or self.read_bytes < 1:
+            raise ValueError("ReadOptions: need pace >= 0, 0 < timeout <= 1 day and read_bytes >= 1")
+        if min(self.max_bytes, self.max_events) < 1:
+            raise ValueError("ReadOptions.max_bytes and max_events must be >= 1")
+        if not self.read and self.leave_after_s is None:
+            raise ValueError("ReadOptions: a client that never reads (read=False) needs leave_after_s")
+
+    @property
+    def bound_s(self) -> float:
+        """Seconds from sending after which the read stops, whatever else happened."""
+        return self.timeout if self.leave_after_s is None else min(self.timeout, self.leave_after_s)
+
+
+@dataclass(frozen=True)
+class TimedEvent:
+    """One event as it reached the client; ``nbytes`` counts the wire bytes since the previous
+    complete event, so comments (pings, padding) are charged to the event that follows them."""
+
+    time: float
+    nbytes: int
+    event: str
+    id: str
+    data: dict[str, Any]
+
+
+@dataclass
+class Stream:
+    """Everything a client saw of one request, and what it means in the target's dialect."""
+
+    api: API = "labkit"
+    sent: float = 0.0
+    status: int = 0
+    content_type: str = ""
+    request_id: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    headers_at: float | None = None
+    ended: float | None = None
+    events: list[TimedEvent] = field(default_factory=list)
+    total_bytes: int = 0
+    unfinished_bytes: int = 0  # bytes after the last complete event: an event cut off
+    last_event_id: str = ""
+    left: LeaveBy | None = None
+    left_at: float | None = None
+    drained_bytes: int = 0
+    error: str | None = None  # a client-side failure or an HTTP refusal
+    body: Any = None  # the body of a response that was not a stream (a refusal)
+    # interpreted as the events arrive
+    token_times: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    stream_error: str | None = None  # an error event or error chunk inside the stream
+    completed: bool = False  # the stream reached its own end (done/error event, [DONE])
+
+    def add(self, event: TimedEvent) -> None:
+        self.events.append(event)
+        data = event.data
+        if self.api == "labkit":
+            if event.event == "token":
+                self.token_times.append(event.time)
+                self.token_ids.append(int(data.get("id", -1)))
+                self.pieces.append(str(data.get("text", "")))
+            elif event.event == "done":
+                self.finish_reason, self.usage, self.completed = data.get("finish_reason"), data.get("usage"), True
+            elif event.event == "error":
+                err: dict[str, Any] = data["error"] if isinstance(data.get("error"), dict) else {}
+                self.finish_reason, self.completed = str(err.get("type", "error")), True
+                self.stream_error = str(err.get("message", err))[:200]
+            return
+        if data.get("raw") == "[DONE]":
+            self.completed = True
+            return
+        if isinstance(data.get("usage"), dict):
+            self.usage = data["usage"]
+        if isinstance(data.get("error"), dict):
+            self.stream_error = str(data["error"].get("message", data["error"]))[:200]
+        for choice in data.get("choices") or []:
+            delta = choice.get("delta") or {}
+            piece = choice.get("text", delta.get("content")) or ""
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+            elif piece or "role" not in delta:
+                self.token_times.append(event.time)
+            self.pieces.append(piece)
+
+    # -- what a table reads ---------------------------------------------------------------------
+    @property
+    def tokens(self) -> int:
+        """Tokens generated: labkit's token events; for OpenAI, usage when sent, else chunks."""
+        counted = (self.usage or {}).get("completion_tokens") if self.api != "labkit" else None
+        return int(counted) if isinstance(counted, int) else len(self.token_times)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from sending the request to the first token: what a user waits."""
+        return self.token_times[0] - self.sent if self.token_times else None
+
+    @property
+    def gaps(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def duration(self) -> float | None:
+        return None if self.ended is None else self.ended - self.sent
+
+    @property
+    def cut(self) -> bool:
+        """Ended without its own end, and not because this client left or failed."""
+        return self.status == 200 and not self.completed and self.left is None and self.error is None
+
+    @property
+    def ok(self) -> bool:
+        """Answered 200 with a stream that reached its own end, with no error anywhere."""
+        return self.error is None and self.stream_error is None and self.status == 200 and self.completed
+
+    @property
+    def failure(self) -> str | None:
+        """What went wrong, in one short phrase; None for an ok stream or one this client left."""
+        if self.error:
+            return self.error
+        if self.stream_error:
+            return f"error in the stream: {self.stream_error}"
+        if self.cut:
+            return "the stream was cut off before its end"
+        return None
+
+
+class EventSplitter:
+    """An :class:`SSEParser` that also charges each event its wire bytes and arrival time.
+
+    Bytes go to the parser one line at a time, so the splitter knows the byte at which an event
+    completed: that event is charged every byte since the previous one, and the counts do not
+    depend on how the stream was cut into reads. (With CRLF line ends an event completes at the CR
+    of its blank line; the LF after it is counted with the next event.)
+    """
+
+    def __init__(self) -> None:
+        self.parser = SSEParser()
+        self._pending = 0
+        self._completed_at_cr = False
+        self._only_that_lf = False
+
+    def feed(self, chunk: bytes, now: float) -> list[TimedEvent]:
+        events: list[TimedEvent] = []
+        start = 0
+        for match in _LINE_END.finditer(chunk):
+            events += self._line(chunk[start : match.end()], now)
+            start = match.end()
+        if start < len(chunk):
+            events += self._line(chunk[start:], now)
+        return events
+
+    def _line(self, piece: bytes, now: float) -> list[TimedEvent]:
+        self._only_that_lf = self._completed_at_cr and self._pending == 0 and piece == b"\n"
+        self._pending += len(piece)
+        events = []
+        for parsed in self.parser.feed(piece):
+            events.append(TimedEvent(now, self._pending, parsed.event, parsed.id, _payload(parsed.data)))
+            self._pending = 0
+        self._completed_at_cr = bool(events) and piece.endswith(b"\r")
+        return events
+
+    @property
+    def pending(self) -> int:
+        """Bytes since the last complete event; a CRLF blank line's trailing LF alone is not one."""
+        return 0 if self._only_that_lf and self._pending == 1 else self._pending
+
+
+_LINE_END = re.compile(rb"[\r\n]")
+
+
+def _payload(data: str) -> dict[str, Any]:
+    try:
+        value = json.loads(data)
+    except json.JSONDecodeError:
+        return {"raw": data}
+    return value if isinstance(value, dict) else {"raw": value}
+
+
+def json_or_text(raw: bytes) -> Any:
+    """A body as JSON if it parses, else as text (the client's caps bound its size)."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return raw.decode("utf-8", "replace")
