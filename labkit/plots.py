@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
-__all__ = ["apply_style", "new_figure", "savefig", "with_range"]
+__all__ = ["apply_style", "new_figure", "savefig", "with_range", "cdf"]
 
 STYLE = {
     "figure.figsize": (6.4, 3.8),
@@ -58,6 +58,14 @@ def savefig(fig: Figure, folder: Path, name: str | None = None) -> Path:
     path = folder / f"{stem}.png"
     fig.savefig(path)
     return path
+
+
+def cdf(ax: Any, values: Any, scale: float = 1.0, **style: Any) -> None:
+    """The empirical distribution of ``values`` (NaNs dropped) as a step line."""
+    import numpy as np
+
+    data = np.sort(scale * np.asarray([v for v in values if v == v], dtype=float))
+    ax.plot(data, np.arange(1, len(data) + 1) / max(1, len(data)), drawstyle="steps-post", **style)
 
 
 def with_range(ax: Any, x: Any, table: Any, column: str, scale: float = 1.0, **style: Any) -> None:

@@ -38,6 +38,11 @@ PROMPTS: tuple[str, ...] = (
 )
 
 
+def cycle(n: int) -> list[str]:
+    """``n`` prompts, the fixed ones in turn (beyond their number, again from the first)."""
+    return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+
+
 def context_ids(tokenizer: object, batch: int, context: int) -> list[list[int]]:
     """``batch`` different prompts of exactly ``context`` token ids each, cut from the prompts
     above run together (for engine measurements that need a fixed context)."""

@@ -4,8 +4,8 @@
   ``tokens`` long; makespan, aggregate tokens/s, first token, gaps, and (where the target has a
   step log) the engine steps each level took. The back-to-back baseline is N times the median
   makespan of the same sweep's level-1 runs.
-* :data:`STEP_COST`: the engine's decode step against batch size, batch-invariant and plain,
-  every (batch, mode) point timed in interleaved rounds on engines kept alive (in-process only).
+* :data:`~labkit.experiments.step_cost.STEP_COST`: the engine's decode step against batch size,
+  in both modes (its own module: an in-process engine measurement).
 * :data:`JOINERS`: short requests into an idle engine and into running batches, sent when the
   running streams have made a drawn number of tokens (never at a time in seconds).
 * :data:`DELIVERY`: N streams at once with each first token delivered as its own prefill ends or
@@ -18,43 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
-import time
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
+from labkit.experiments.step_cost import STEP_COST
 from labkit.lab import Experiment, Process, Sizes, Stream, Target, Trial, interval, judge, spread, tell
-from labkit.lab.client import run_sync
-from labkit.prompts import PROMPTS, context_ids
+from labkit.lab.client import percentile, run_sync
+from labkit.prompts import PROMPTS, cycle
 
-MODES = ("invariant", "plain")
-
-
-def prompts(n: int) -> list[str]:
-    return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
-
-
-def pct(values: Any, q: float) -> float:
-    data = pd.Series([v for v in values if v is not None], dtype=float)
-    return float(data.quantile(q / 100)) if len(data) else float("nan")
-
-
-def launch_row(streams: list[Stream], makespan: float) -> dict[str, Any]:
-    """One launch: makespan, tokens/s, first-token and gap percentiles, failures."""
-    tokens = sum(s.tokens for s in streams)
-    ttfts, gaps = [s.ttft for s in streams], [g for s in streams for g in s.gaps]
-    return {
-        "makespan_s": makespan,
-        "tokens": tokens,
-        "tokens_per_s": tokens / makespan if makespan > 0 else float("nan"),
-        "ttft_p50_s": pct(ttfts, 50),
-        "ttft_p99_s": pct(ttfts, 99),
-        "gap_p50_s": pct(gaps, 50),
-        "gap_p99_s": pct(gaps, 99),
-        "failed": sum(1 for s in streams if s.failure),
-    }
+QUANTILES = ("min", "p10", "p50", "p90", "max")
 
 
 # --------------------------------------------------------------------------- levels
@@ -63,9 +36,9 @@ def launch_row(streams: list[Stream], makespan: float) -> dict[str, Any]:
 def measure_level(trial: Trial) -> dict[str, Any]:
     target, s = trial.target, trial.sizes
     since = target.current_step() if target.caps.lab else None
-    started = target.launch([target.request(p, s.tokens) for p in prompts(trial.level)])
-    row = launch_row(started.streams, started.makespan)
-    trial.keep("streams", [{"stream": i, "tokens": st.tokens, "ttft_s": st.ttft, "gap_p50_s": pct(st.gaps, 50),
+    started = target.launch([target.request(p, s.tokens) for p in cycle(trial.level)])
+    row = started.row()
+    trial.keep("streams", [{"stream": i, "tokens": st.tokens, "ttft_s": st.ttft, "gap_p50_s": percentile(st.gaps, 50),
                             "duration_s": st.duration} for i, st in enumerate(started.streams)])  # fmt: skip
     if since is not None:
         steps = target.steps(since)
@@ -84,7 +57,7 @@ def level_tables(tables: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.Data
 
 def paired(rows: pd.DataFrame, column: str, level: int) -> pd.Series:
     """``column`` at ``level`` over ``column`` at level 1, repetition by repetition."""
-    by_rep = rows.pivot_table(index="repetition", columns="level", values=column)
+    by_rep = rows.pivot(index="repetition", columns="level", values=column)
     return (by_rep[level] / by_rep[1]).dropna()
 
 
@@ -148,117 +121,6 @@ LEVELS = Experiment(
 )
 
 
-# --------------------------------------------------------------------------- step cost
-
-
-class Engines(dict[tuple[int, str], Any]):
-    """One engine per (batch, mode), prefilled once and kept alive across the rounds."""
-
-    def close(self) -> None:
-        self.clear()
-
-
-def prepare_engines(target: Target, s: Sizes) -> Engines:
-    from labkit import BatchEngine, EngineConfig
-
-    loaded = target.loaded  # type: ignore[attr-defined]
-    per_point = s.repetitions * (s.warmup + s.steps) + 2
-    engines = Engines()
-    for batch in s.batches:
-        blocks = batch * -(-(s.context + per_point) // 16)
-        for mode in MODES:
-            config = EngineConfig(max_batch=batch, batch_invariant=mode == "invariant", num_blocks=blocks)
-            engine = engines[batch, mode] = BatchEngine(loaded, config)
-            for ids in context_ids(loaded.tokenizer, batch, s.context):
-                engine.submit(ids, max_new_tokens=per_point, ignore_eos=True)
-            while engine.stats()["running"] < batch or engine.stats()["waiting"]:
-                engine.step()  # admission and prefill; the steps timed below only decode
-    return engines
-
-
-def measure_step(trial: Trial) -> dict[str, Any]:
-    engine, s = trial.state[trial.batch, trial.mode], trial.sizes
-    times = []
-    for _ in range(s.warmup + s.steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    timed = times[s.warmup :]
-    return {"step_ms": 1e3 * statistics.median(timed), "step_min_ms": 1e3 * min(timed),
-            "context": s.context + trial.repetition * (s.warmup + s.steps)}  # fmt: skip
-
-
-def step_tables(tables: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
-    """Per mode: the measured B=1 step (the fixed cost, not a fit) and the marginal cost of a
-    sequence between the smallest and the largest batch, each with the rounds' range."""
-    rows = tables["rows"]
-    cost = spread(rows, ["mode", "batch"], "step_ms")
-    marginal = []
-    for mode, g in rows.groupby("mode"):
-        small, big = min(s.batches), max(s.batches)
-        by_round = g.pivot_table(index="repetition", columns="batch", values="step_ms")
-        per_seq = (by_round[big] - by_round[small]) / (big - small)
-        marginal.append({"mode": mode, "step_at_smallest_ms": by_round[small].median(), "largest_batch": big,
-                         "ms_per_added_sequence": per_seq.median(), "ms_per_added_sequence_min": per_seq.min(),
-                         "ms_per_added_sequence_max": per_seq.max(),
-                         "largest_over_smallest": (by_round[big] / by_round[small]).median()})  # fmt: skip
-    return {"step_cost": cost, "marginal": pd.DataFrame(marginal)}
-
-
-def step_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
-    rows = tables["rows"]
-    by = rows.pivot_table(index=["repetition", "batch"], columns="mode", values="step_ms").dropna()
-    ratio = (by["invariant"] / by["plain"]).groupby("batch").median()
-    big = max(s.batches)
-    grows = paired_growth(rows, big)
-    return [
-        judge("invariant costs no more", "the batch-invariant step costs at most 1.15× the plain one at every batch",
-              "at any batch the median invariant/plain ratio over the rounds is above 1.15",
-              bool((ratio <= 1.15).all()), "ratio by batch: " + ", ".join(f"{b}: {r:.2f}" for b, r in ratio.items())),
-        judge("a step for many is cheap", f"a step of {big} costs less than {big / 2:g}× a step of one (invariant)",
-              f"the median ratio over the rounds is at least {big / 2:g}", bool(grows.median() < big / 2),
-              f"{big} over 1: {grows.median():.2f} (rounds {grows.min():.2f}–{grows.max():.2f})", checked=True),
-    ]  # fmt: skip
-
-
-def paired_growth(rows: pd.DataFrame, big: int) -> pd.Series:
-    g = rows[rows["mode"] == "invariant"].pivot_table(index="repetition", columns="batch", values="step_ms")
-    return (g[big] / g[min(g.columns)]).dropna()
-
-
-def step_plots(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
-    from labkit.plots import new_figure, with_range
-
-    cost, rows = tables["step_cost"], tables["rows"]
-    fig, (ax,) = new_figure("overlap_step_cost")
-    for mode, color in zip(MODES, ("tab:blue", "tab:orange")):
-        g = cost[cost["mode"] == mode]
-        with_range(ax, g.batch, g, "step_ms", fmt="o-", color=color, label=f"{mode}: median, min–max of rounds")
-        r = rows[rows["mode"] == mode]
-        ax.scatter(r.batch, r.step_ms, s=8, color=color, alpha=0.4)
-    ax.set(xlabel="sequences in the batch", ylabel="ms per decode step", title="Decode-step cost, both modes, one run")
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize="small")
-    return [fig]
-
-
-STEP_COST = Experiment(
-    name="overlap.step_cost",
-    title="The decode step against batch size, batch-invariant and plain",
-    sizes={
-        "full": {"batches": (1, 2, 4, 8, 16, 32), "context": 64, "steps": 20, "warmup": 2, "repetitions": 3},
-        "ci": {"batches": (1, 2, 4, 8), "context": 64, "steps": 10, "warmup": 2, "repetitions": 3},
-    },  # fmt: skip
-    conditions=lambda s, target: [{"batch": b, "mode": m} for b in s.batches for m in MODES],
-    prepare=prepare_engines,
-    measure=measure_step,
-    tables=step_tables,
-    verdicts=step_verdicts,
-    plots=step_plots,
-    needs=("engine",),
-)
-
-
 # --------------------------------------------------------------------------- joiners
 
 
@@ -292,7 +154,7 @@ async def _busy(target: Target, s: Sizes, background: int, offsets: list[int]) -
     fast the engine is. Returns the joiners and how many long streams ran when each was sent."""
     long = [Stream(api=target.api) for _ in range(background)]
     tasks = [asyncio.ensure_future(target.stream(target.request(p, s.long_tokens), result=r))
-             for p, r in zip(prompts(background), long)]  # fmt: skip
+             for p, r in zip(cycle(background), long)]  # fmt: skip
     joiners, running = [], []
     try:
         for i, offset in enumerate(offsets):
@@ -384,14 +246,11 @@ JOINERS = Experiment(
 
 def measure_delivery(trial: Trial) -> dict[str, Any]:
     target, s = trial.target, trial.sizes
-    done = target.launch([target.request(p, s.tokens) for p in prompts(s.streams)])
+    done = target.launch([target.request(p, s.tokens) for p in cycle(s.streams)])
     ttfts = [st.ttft for st in done.streams]
     trial.keep("streams", [{"stream": i, "ttft_s": t} for i, t in enumerate(ttfts)])
-    row = {f"ttft_{name}_s": pct(ttfts, q) for name, q in (("min", 0), ("p10", 10), ("p50", 50), ("p90", 90))}
-    return {**row, "ttft_max_s": pct(ttfts, 100), "failed": sum(1 for st in done.streams if st.failure)}
-
-
-QUANTILES = ("min", "p10", "p50", "p90", "max")
+    row = {f"ttft_{q}_s": percentile(ttfts, p) for q, p in zip(QUANTILES, (0, 10, 50, 90, 100))}
+    return {**row, "failed": sum(1 for st in done.streams if st.failure)}
 
 
 def delivery_tables(tables: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
@@ -430,12 +289,11 @@ def delivery_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
 
 
 def delivery_plots(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
-    from labkit.plots import new_figure
+    from labkit.plots import cdf, new_figure
 
     fig, (ax,) = new_figure("overlap_delivery")
     for mode, g in tables["streams"].groupby("first_token"):
-        values = np.sort(1000 * g.ttft_s.dropna().to_numpy())
-        ax.plot(values, np.arange(1, len(values) + 1) / len(values), drawstyle="steps-post", label=f"at {mode}")
+        cdf(ax, g.ttft_s, 1000, label=f"at {mode}")
     ax.set(xlabel="ms to first token", ylabel="fraction of streams", title="First-token delivery, every repetition")
     ax.legend()
     return [fig]
@@ -472,8 +330,8 @@ def prepare_servers(target: Target, s: Sizes) -> Servers:
 
 def measure_share(trial: Trial) -> dict[str, Any]:
     target, s = trial.state[trial.server], trial.sizes
-    started = target.launch([target.request(p, s.tokens) for p in prompts(s.streams)])
-    return launch_row(started.streams, started.makespan)
+    started = target.launch([target.request(p, s.tokens) for p in cycle(s.streams)])
+    return started.row()
 
 
 def share_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:

@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any
 
+from labkit.lab.experiment import Sizes
 from labkit.lab.profiles import PROFILES, get_profile
 
 __all__ = ["add_run_arguments", "run_from_args"]
@@ -51,6 +52,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         chosen = specs(args.name)
         overrides = dict(_size(text) for text in args.set)
         profile = get_profile(args.profile, None if args.target else args.model)
+        known = Sizes({k: v for spec in chosen for k, v in spec.sizes[profile.name].items()})
+        known.changed(**overrides)  # an unknown size, or one of the wrong kind, is refused here
         if args.target:
             target: Any = connect(args.target, model=args.model, api=args.api, pid=args.target_pid, api_key=_key(args))
             print(f"profile {profile.name} (sizes); target {target.url}, model {target.model or '(server default)'}")

@@ -28,10 +28,21 @@ from urllib.parse import urlsplit
 
 import h11
 import httpx
+import numpy as np
 
 from labkit.lab.stream import API, EventSplitter, LeaveBy, ReadOptions, Stream, json_or_text
 
-__all__ = ["Request", "Launch", "read", "makespan", "async_client", "get_json", "run_sync", "leave_socket", "JSON_CAP"]
+__all__ = [
+    "Request",
+    "Launch",
+    "read",
+    "makespan",
+    "percentile",
+    "async_client",
+    "get_json",
+    "run_sync",
+    "leave_socket",
+]
 
 T = TypeVar("T")
 JSON_CAP = 8 << 20  # bytes of a JSON answer the client reads at most
@@ -84,12 +95,22 @@ async def read(
     except asyncio.TimeoutError:
         if result.left is None:
             result.error = f"no end within the {options.timeout:g} s bound of one request"
+    except (httpx.ConnectError, ConnectionRefusedError) as exc:
+        result.error = f"cannot connect ({'connection refused' if _refused(exc) else exc})"
     except (httpx.HTTPError, OSError, h11.ProtocolError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:300]
     result.ended = result.ended or time.perf_counter()
     if result.error is None:
         result.error = _refusal(result, request.stream)
     return result
+
+
+def _refused(exc: BaseException | None) -> bool:
+    while exc is not None:
+        if isinstance(exc, ConnectionRefusedError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def async_client(url: str, connections: int = 64, timeout: float = 300.0) -> httpx.AsyncClient:
@@ -187,10 +208,8 @@ def leave_socket(sock: socket.socket, how: LeaveBy) -> None:
 
 async def _leave(result: Stream, options: ReadOptions, sock: socket.socket, recv: Any) -> None:
     result.left, result.left_at = options.leave_by, time.perf_counter()
-    leave_socket(sock, options.leave_by)
-    if options.leave_by == "rst":
-        sock.close()
-    elif recv is not None:
+    leave_socket(sock, options.leave_by)  # for RST, the caller's close sends it
+    if options.leave_by == "fin" and recv is not None:
         with contextlib.suppress(Exception):  # a timeout, the peer's RST or close ends the drain
             await asyncio.wait_for(_drain(recv, result), options.drain_after_fin_s)
     result.ended = time.perf_counter()
@@ -241,6 +260,9 @@ async def _raw(url: str, request: Request, options: ReadOptions, result: Stream,
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(leave.wait(), max(0.0, result.sent + options.bound_s - time.perf_counter()))
         if result.ended is None:
+            planned = leave.is_set() or _should_leave(result, options) or options.bound_s < options.timeout
+            if not planned:
+                result.error = f"no end within the {options.timeout:g} s bound of one request"
             await _leave(result, options, sock, lambda: loop.sock_recv(sock, 65536))
     finally:
         sock.close()
@@ -265,6 +287,8 @@ async def _read_raw(
     try:
         while not leave.is_set() and not _should_leave(result, options):
             left = result.sent + options.bound_s - time.perf_counter()
+            if left <= 0:
+                return
             recv = asyncio.ensure_future(loop.sock_recv(sock, options.read_bytes))
             await asyncio.wait({recv, flag}, timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED)
             if not recv.done():
@@ -331,6 +355,22 @@ class Launch:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.makespan if self.makespan > 0 else float("nan")
+
+    def row(self) -> dict[str, Any]:
+        """The launch as a table row: makespan, tokens/s, first-token and gap percentiles, failures."""
+        ttfts, gaps = [s.ttft for s in self.streams], [g for s in self.streams for g in s.gaps]
+        return {
+            "makespan_s": self.makespan, "tokens": self.tokens, "tokens_per_s": self.tokens_per_s,
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+            "gap_p50_s": percentile(gaps, 50), "gap_p99_s": percentile(gaps, 99),
+            "failed": sum(1 for s in self.streams if s.failure),
+        }  # fmt: skip
+
+
+def percentile(values: Sequence[float | None], q: float) -> float:
+    """The ``q``-th percentile (linear between ranks, as pandas and numpy do); NaN for no values."""
+    data = [v for v in values if v is not None]
+    return float(np.percentile(data, q)) if data else float("nan")
 
 
 def makespan(streams: Sequence[Stream]) -> float:

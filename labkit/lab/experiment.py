@@ -12,7 +12,7 @@ timed, sizes count steps and tokens, not seconds, so a faster or slower engine c
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,24 +27,52 @@ Tables = dict[str, pd.DataFrame]
 Row = dict[str, Any]
 
 
-class Sizes(dict[str, Any]):
-    """An experiment's sizes (``sizes.levels``), checked when changed: an override must name a
-    known size and keep its kind."""
+class Sizes:
+    """An experiment's sizes, read as ``sizes.levels`` or ``sizes["levels"]``, checked when
+    changed: an override must name a known size and keep its kind. (Not a Mapping, so that no
+    method name such as ``values`` hides a size of that name.)"""
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        object.__setattr__(self, "_values", dict(values))
 
     def __getattr__(self, name: str) -> Any:
         try:
-            return self[name]
+            return self._values[name]
         except KeyError:
             raise AttributeError(name) from None
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Sizes are fixed; use changed(...)")
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sizes) and self._values == other._values
+
+    def __repr__(self) -> str:
+        return f"Sizes({self._values!r})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
     def changed(self, **overrides: Any) -> Sizes:
-        out = Sizes(self)
+        out = dict(self._values)
         for key, value in overrides.items():
-            if key not in self:
-                close = difflib.get_close_matches(key, list(self), n=3)
-                hint = f" (did you mean {', '.join(close)}?)" if close else f"; known: {', '.join(self)}"
+            if key not in out:
+                close = difflib.get_close_matches(key, list(out), n=3)
+                hint = f" (did you mean {', '.join(close)}?)" if close else f"; known: {', '.join(out)}"
                 raise ValueError(f"no size named {key!r}{hint}")
-            old = self[key]
+            old = out[key]
             if isinstance(old, tuple) and isinstance(value, list):
                 value = tuple(value)
             if (
@@ -54,7 +82,7 @@ class Sizes(dict[str, Any]):
             ):
                 raise ValueError(f"size {key!r} is a {type(old).__name__}, got {value!r}")
             out[key] = value
-        return out
+        return Sizes(out)
 
 
 def _nothing(*_: Any) -> Any:
@@ -98,7 +126,7 @@ class Experiment:
     def scale(self, sizes: Sizes) -> pd.DataFrame:
         """Each size against the chapter's: "chapter | this run | why" where they differ."""
         rows = []
-        for key, value in sizes.items():
+        for key, value in sizes.as_dict().items():
             chapter, why = self.chapter.get(key, (value, ""))
             rows.append({"size": key, "this run": _text(value), "chapter": _text(chapter), "why it differs": why})
         table = pd.DataFrame(rows, columns=["size", "this run", "chapter", "why it differs"])

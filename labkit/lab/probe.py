@@ -105,10 +105,7 @@ def _models(target: Target) -> tuple[tuple[str, ...], str]:
     try:
         status, body = get_json(target.url, "/v1/models", timeout=PROBE_TIMEOUT_S, headers=target.headers)
     except OSError as exc:
-        text = str(exc)
-        raise TargetError(
-            target.url, "cannot connect (connection refused)" if "refused" in text.lower() else text
-        ) from None
+        raise TargetError(target.url, str(exc)) from None
     if status != 200:
         return (), f"HTTP {status}"
     try:

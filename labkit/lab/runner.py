@@ -109,7 +109,7 @@ class Result:
             "environment": self.env,
             "machine": self.machine,
             "elapsed_s": round(self.elapsed_s, 3),
-            "sizes": dict(self.sizes),
+            "sizes": self.sizes.as_dict(),
             "beside_the_chapter": self.scale().reset_index().to_dict("records"),
             "verdicts": [v.__dict__ for v in self.verdicts],
             "measured": self.measured,
@@ -184,7 +184,7 @@ def _trials(
         state = spec.prepare(target, sizes) if spec.prepare else None
     except NotMeasurable as exc:
         return rows, kept, [{"measurement": exc.what, "condition": "(all)", "because": exc.because}]
-    repetitions = int(sizes.get("repetitions", 1))
+    repetitions = int(sizes.as_dict().get("repetitions", 1))
     bar = _bar(spec.name, len(conditions) * repetitions, show)
     skipped: set[int] = set()
     try:
@@ -232,11 +232,11 @@ def _bar(name: str, total: int, show: bool) -> Any:
     return tqdm(total=total, desc=name, unit="trial", disable=not show, leave=True)
 
 
-def load(spec: Experiment, profile: Profile | None = None) -> Result:
+def load(spec: Experiment, profile: Profile | None = None, *, lab: bool = True) -> Result:
     """A saved run read back: its measured tables, with the derived ones and the verdicts
-    recomputed from them (nothing is measured again)."""
+    recomputed from them (nothing is measured again). ``lab=False``: a run against another target."""
     profile = profile or current_profile()
-    folder = data_folder(spec, profile)
+    folder = data_folder(spec, profile, lab)
     record = json.loads((folder / "results.json").read_text())
     sizes = Sizes({k: tuple(v) if isinstance(v, list) else v for k, v in record["sizes"].items()})
     tables: Tables = {name: pd.read_csv(folder / f"{name}.csv") for name in record["measured"]}

@@ -109,7 +109,7 @@ class Stream:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     stream_error: str | None = None  # an error event or error chunk inside the stream
-    completed: bool = False  # the stream reached its own end (done/error event, [DONE])
+    completed: bool = False  # reached its own end: a done/error event, a finish reason, [DONE]
 
     def add(self, event: TimedEvent) -> None:
         self.events.append(event)
@@ -136,8 +136,8 @@ class Stream:
         for choice in data.get("choices") or []:
             delta = choice.get("delta") or {}
             piece = choice.get("text", delta.get("content")) or ""
-            if choice.get("finish_reason") is not None:
-                self.finish_reason = choice["finish_reason"]
+            if choice.get("finish_reason") is not None:  # the answer is whole; [DONE] is optional
+                self.finish_reason, self.completed = choice["finish_reason"], True
             elif piece or "role" not in delta:
                 self.token_times.append(event.time)
             self.pieces.append(piece)

@@ -1,0 +1,133 @@
+"""The runner as a specification: conditions interleaved, every row tagged and kept on disk as it
+comes, what a target cannot witness said in a row, verdicts decided by intervals, results that
+read back the same. No server is needed: these specs measure nothing but their own trials."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from labkit.lab import Experiment, NotMeasurable, Sizes, Target, interval, judge, load, run, tell
+from labkit.lab.profiles import Profile
+from labkit.lab.verdict import checked_lines
+
+PROFILE = Profile("ci")
+
+
+@pytest.fixture(autouse=True)
+def out(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_OUT", str(tmp_path))
+    return tmp_path
+
+
+def spec(measure, **fields) -> Experiment:
+    base = dict(name="toy.trials", title="a toy", sizes={"ci": {"values": (1, 2, 3), "repetitions": 2}},
+                conditions=lambda s, t: [{"value": v} for v in s.values], measure=measure)  # fmt: skip
+    return Experiment(**{**base, **fields})
+
+
+def target() -> Target:
+    return Target("http://127.0.0.1:1", api="labkit")
+
+
+def test_conditions_run_interleaved_and_every_row_is_tagged_with_its_condition_and_repetition():
+    seen = []
+
+    def measure(trial):
+        seen.append((trial.repetition, trial.value))
+        trial.keep("detail", [{"part": i} for i in range(trial.value)])
+        return {"double": 2 * trial.value}
+
+    result = run(spec(measure), target(), profile=PROFILE, show=False)
+    assert seen == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
+    rows = result.table()
+    assert list(rows.columns) == ["value", "repetition", "double"] and (rows.double == 2 * rows.value).all()
+    assert len(result.table("detail")) == 12 and set(result.table("detail").columns) == {"value", "repetition", "part"}
+
+
+def test_overrides_change_sizes_by_name_and_refuse_unknown_names():
+    result = run(spec(lambda t: {"v": t.value}), target(), profile=PROFILE, show=False, values=[5], repetitions=1)
+    assert list(result.table().value) == [5] and result.sizes["values"] == (5,)
+    with pytest.raises(ValueError, match="no size named 'valus' .did you mean values"):
+        run(spec(lambda t: {}), target(), profile=PROFILE, show=False, valus=(1,))
+    with pytest.raises(ValueError, match="size 'repetitions' is a int"):
+        Sizes({"repetitions": 3}).changed(repetitions="many")
+
+
+def test_a_capability_the_target_lacks_becomes_a_not_measurable_row():
+    result = run(spec(lambda t: {}, needs=("lab",)), target(), profile=PROFILE, show=False)
+    assert result.table().empty and result.verdicts == []
+    row = result.table("not_measurable").iloc[0]
+    assert row.measurement == "toy.trials" and row.because.startswith("it has no lab routes")
+
+
+def test_a_condition_that_cannot_be_measured_is_said_once_and_the_rest_goes_on():
+    def measure(trial):
+        if trial.value == 2:
+            raise NotMeasurable("value 2", "the toy cannot")
+        return {"v": trial.value}
+
+    result = run(spec(measure), target(), profile=PROFILE, show=False)
+    assert sorted(result.table().value) == [1, 1, 3, 3]
+    assert list(result.table("not_measurable").because) == ["the toy cannot"]
+
+
+def test_a_crash_keeps_the_finished_trials_on_disk_and_closes_what_prepare_started(out):
+    closed = []
+
+    class State:
+        def close(self):
+            closed.append(True)
+
+    def measure(trial):
+        if trial.repetition == 1 and trial.value == 2:
+            raise RuntimeError("the machine caught fire")
+        return {"v": trial.value}
+
+    with pytest.raises(RuntimeError, match="caught fire"):
+        run(spec(measure, prepare=lambda t, s: State()), target(), profile=PROFILE, show=False)
+    partial = pd.read_csv(out / "data" / "target-toy" / "trials" / "partial" / "rows.csv")
+    assert list(partial.value) == [1, 2, 3, 1] and closed == [True]
+
+
+def test_a_saved_result_reads_back_with_the_same_tables_and_verdicts(out):
+    def tables(t, s):
+        return {"by_value": t["rows"].groupby("value", as_index=False).v.sum()}
+
+    def verdicts(t, s):
+        return [judge("sums", "the sums are even", "an odd sum", bool((t["by_value"].v % 2 == 0).all()), "", checked=True)]
+
+    toy = spec(lambda t: {"v": t.value}, tables=tables, verdicts=verdicts)
+    result = run(toy, target(), profile=PROFILE, show=False)
+    record = json.loads((result.folder / "results.json").read_text())
+    assert record["measured"] == ["rows"] and record["environment"]["profile"] == "ci"
+    assert "git_commit" in record["environment"] and "others_cpu_share" in record["machine"]
+    assert record["verdicts"][0]["outcome"] == "holds" and record["sizes"]["values"] == [1, 2, 3]
+    back = load(toy, PROFILE, lab=False)  # a target the lab did not start: under data/target-toy/
+    pd.testing.assert_frame_equal(back.table("by_value"), result.table("by_value"))
+    assert checked_lines(back.verdicts) == checked_lines(result.verdicts) == "sums: holds"
+
+
+def test_a_median_interval_needs_six_values_and_then_covers_at_95_percent():
+    assert not np.isfinite(interval([1, 2, 3, 4, 5]).low)
+    ci = interval([1, 2, 3, 4, 5, 6])
+    assert (ci.low, ci.high, ci.estimate) == (1, 6, 3.5)
+    rng = np.random.default_rng(1)
+    covered = sum(interval(rng.normal(0, 1, 20)).low <= 0 <= interval(rng.normal(0, 1, 20)).high for _ in range(200))
+    assert covered >= 180  # at least 95% nominal, with room for this test's own noise
+
+
+@pytest.mark.parametrize("values, decided", [([2.5] * 8, True), ([1.5] * 8, False), ([1, 3] * 4, None), ([3.0] * 3, None)])
+def test_tell_holds_only_when_the_interval_excludes_the_null(values, decided):
+    verdict, text = tell(interval(values), 2.0, "above")
+    assert verdict is decided
+    if decided is None:
+        assert "repetitions would decide it" in text
+
+
+def test_a_ratio_interval_of_two_samples_is_seeded_and_brackets_its_estimate():
+    a, b = [10, 11, 12, 13, 9], [5, 6, 5, 4, 6]
+    first, second = interval(a, others=b), interval(a, others=b)
+    assert first == second and first.low <= first.estimate <= first.high and first.estimate == pytest.approx(11 / 5)
