@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import os
 import re
 import socket
 import threading
@@ -113,6 +114,15 @@ class RunningServer:
     def service(self) -> Any:
         return self.app.state.service
 
+    def token(self, ttl_s: float | None = None, subject: str = "lab") -> str:
+        """A bearer token this server accepts (it must have an ``auth_secret``), valid ``ttl_s`` seconds."""
+        from labkit.service.auth import mint_token
+
+        secret = self.config.http.auth_secret
+        if secret is None:
+            raise ValueError("this server checks no tokens: it was started without auth_secret")
+        return mint_token(secret, self.config.http.auth_ttl_s if ttl_s is None else ttl_s, subject)
+
     def drain(self, timeout: float = 60.0) -> None:
         """Start the shutdown drain now, from this thread, and wait for it: new requests get 503
         and open streams end with ``error: shutdown``. The server keeps serving until exit."""
@@ -205,6 +215,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs.update(type=_optional(int), metavar="N|none")
         elif kind == (float | None):
             kwargs.update(type=_optional(float), metavar="SECONDS|none")
+        elif kind == (str | None):
+            kwargs.update(type=_optional(str), metavar="TEXT|none")
         elif kind == tuple[str, ...]:
             kwargs.update(type=_names, metavar="NAME,...")
         elif kind in (int, float, str):
@@ -212,10 +224,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         else:  # pragma: no cover - a new kind of field needs a parser here
             raise TypeError(f"no flag parser for {owner.__name__}.{f.name}: {kind}")
         parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+    parser.add_argument(
+        "--auth-secret-env",
+        metavar="NAME",
+        help="read auth_secret from this environment variable (kept off the command line, which ps shows)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
-    return ServiceConfig.of(**{f.name: getattr(args, f.name) for _, _, f in leaves()})
+    settings = {f.name: getattr(args, f.name) for _, _, f in leaves()}
+    name = getattr(args, "auth_secret_env", None)
+    if name:
+        if settings["auth_secret"] is not None:
+            raise SystemExit("give --auth-secret or --auth-secret-env, not both")
+        if not os.environ.get(name):
+            raise SystemExit(f"--auth-secret-env {name}: that environment variable is not set")
+        settings["auth_secret"] = os.environ[name]
+    return ServiceConfig.of(**settings)
 
 
 def _optional(kind: type) -> Any:
