@@ -22,7 +22,9 @@ import contextlib
 import gc
 import os
 import re
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -42,6 +44,7 @@ __all__ = [
     "add_serve_arguments",
     "config_from_args",
     "serve_from_args",
+    "local_redis",
 ]
 
 SHUTDOWN_RESERVE_S = 1.0  # of drain_grace, kept for aborting blocked writers, the step thread and exit
@@ -189,6 +192,53 @@ def _wait_started(server: Any, thread: threading.Thread, timeout: float) -> None
         if time.monotonic() > deadline:
             raise RuntimeError(f"the server did not start within {timeout} s")
         time.sleep(0.01)
+
+
+REDIS_PROGRAM = "redis-server"
+
+
+@contextmanager
+def local_redis(startup_timeout: float = 10.0) -> Iterator[str]:
+    """A throwaway ``redis-server`` on a free loopback port until the block ends; yields its URL.
+
+    Nothing is persisted (``--save ''``, ``--appendonly no``), so two servers that use it in turn
+    share only what the first wrote while it ran. ``FileNotFoundError`` names the missing program
+    (``make system-deps`` installs Debian's). The process is stopped and reaped on exit.
+    """
+    program = shutil.which(REDIS_PROGRAM)
+    if program is None:
+        raise FileNotFoundError(f"{REDIS_PROGRAM} is not installed (make system-deps installs it)")
+    with socket.socket() as probe:  # a free port; redis-server cannot be asked for "any"
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [program, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen([*argv, "--loglevel", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_redis(port, proc, startup_timeout)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(startup_timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_redis(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{REDIS_PROGRAM} exited with status {proc.returncode} on port {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(64).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.02)
+    raise RuntimeError(f"{REDIS_PROGRAM} did not answer on port {port} within {timeout} s")
 
 
 # -- the CLI -------------------------------------------------------------------------------------

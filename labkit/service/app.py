@@ -41,6 +41,7 @@ def build_app(engine: Any, hub: Any, config: ServiceConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await service.resume.store.ping()  # a resume store that does not answer: the server does not start
         hub.start(asyncio.get_running_loop())
         try:
             yield
