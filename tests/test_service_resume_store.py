@@ -222,7 +222,7 @@ def test_a_server_whose_resume_store_does_not_answer_does_not_start(tiny_gpt2: A
 
 @needs_redis
 def test_store_cost_reports_latency_and_bytes_per_event(redis_url: str) -> None:
-    cost = store_cost(redis_url, events=200)
+    cost = asyncio.run(store_cost(redis_url, events=200))
     assert cost["events"] == 200
     assert 0 < cost["append_us_median"] <= cost["append_us_p90"] <= cost["append_us_max"]
     assert cost["redis_bytes_per_event"] > 0 and cost["sse_bytes_per_event"] > 40

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -185,29 +184,12 @@ def _frame(entry_id: bytes, fields: dict[bytes, bytes]) -> Frame:
 
 
 # -- what the log costs ------------------------------------------------------------------------------
-def store_cost(url: str, events: int = 1000, text: str = " word", capacity: int = 4096) -> dict[str, float]:
+async def store_cost(url: str, events: int = 1000, text: str = " word", capacity: int = 4096) -> dict[str, float]:
     """Write ``events`` token events the way a resumable run does (through :class:`RedisStore`,
     one awaited round trip each) and read back what they cost: microseconds per append (median,
     p90, max) and bytes per event in Redis (``MEMORY USAGE`` of the stream, divided by its
-    ``XLEN``), beside the event's own SSE size. Runs in a thread of its own, so a notebook's
-    running event loop is no obstacle; the scratch keys are deleted afterwards."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["result"] = asyncio.run(_cost(url, events, text, capacity))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = exc
-
-    worker = threading.Thread(target=run, name="labkit-store-cost")
-    worker.start()
-    worker.join()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
-
-
-async def _cost(url: str, events: int, text: str, capacity: int) -> dict[str, float]:
+    ``XLEN``), beside the event's own SSE size. The scratch keys are deleted afterwards. From a
+    notebook cell, whose loop is already running: ``labkit.experiments.client.run_sync(store_cost(url))``."""
     store = RedisStore(url, capacity=max(capacity, events + 2), ttl=60.0)
     rid, encoder = f"cost-{uuid.uuid4().hex[:12]}", StreamEncoder()
     frames = [Frame("token", encoder.token(i, 1000 + i, text), i + 1) for i in range(events)]
