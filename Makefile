@@ -66,8 +66,9 @@ clean-venv:
 	rm -rf $(VENV)
 
 # System programs some experiments start as child processes: nginx (the production
-# experiment's proxy). Installed from Debian when missing and we are root (as on CI); otherwise
-# say what is missing: those experiments' tests and cells then skip, saying why. g++ builds the
+# experiment's proxy), redis-server (a resume store that outlives a restarted server). Installed
+# from Debian when missing and we are root (as on CI); otherwise say what is missing: those
+# experiments' tests and cells then skip, saying why. g++ builds the
 # engine's paged-decode kernel on first use; without it the engine falls back to the gather.
 system-deps:
 	@if command -v g++ >/dev/null 2>&1; then :; \
@@ -80,6 +81,11 @@ system-deps:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx; } \
 			|| echo "apt-get could not install nginx: the proxy experiment's tests and cells will skip"; \
 	else echo "nginx is not installed and cannot be installed here (not root, or no apt-get): apt-get install nginx"; fi
+	@if command -v redis-server >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } \
+			|| echo "apt-get could not install redis-server: the resume store's restart tests will skip"; \
+	else echo "redis-server is not installed and cannot be installed here (not root, or no apt-get): apt-get install redis-server"; fi
 	@if test -x /usr/bin/chromium && test -x /usr/bin/chromedriver; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \

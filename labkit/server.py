@@ -20,8 +20,11 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import os
 import re
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -41,6 +44,7 @@ __all__ = [
     "add_serve_arguments",
     "config_from_args",
     "serve_from_args",
+    "local_redis",
 ]
 
 SHUTDOWN_RESERVE_S = 1.0  # of drain_grace, kept for aborting blocked writers, the step thread and exit
@@ -113,6 +117,15 @@ class RunningServer:
     def service(self) -> Any:
         return self.app.state.service
 
+    def token(self, ttl_s: float | None = None, subject: str = "lab") -> str:
+        """A bearer token this server accepts (it must have an ``auth_secret``), valid ``ttl_s`` seconds."""
+        from labkit.service.auth import mint_token
+
+        secret = self.config.http.auth_secret
+        if secret is None:
+            raise ValueError("this server checks no tokens: it was started without auth_secret")
+        return mint_token(secret, self.config.http.auth_ttl_s if ttl_s is None else ttl_s, subject)
+
     def drain(self, timeout: float = 60.0) -> None:
         """Start the shutdown drain now, from this thread, and wait for it: new requests get 503
         and open streams end with ``error: shutdown``. The server keeps serving until exit."""
@@ -181,6 +194,53 @@ def _wait_started(server: Any, thread: threading.Thread, timeout: float) -> None
         time.sleep(0.01)
 
 
+REDIS_PROGRAM = "redis-server"
+
+
+@contextmanager
+def local_redis(startup_timeout: float = 10.0) -> Iterator[str]:
+    """A throwaway ``redis-server`` on a free loopback port until the block ends; yields its URL.
+
+    Nothing is persisted (``--save ''``, ``--appendonly no``), so two servers that use it in turn
+    share only what the first wrote while it ran. ``FileNotFoundError`` names the missing program
+    (``make system-deps`` installs Debian's). The process is stopped and reaped on exit.
+    """
+    program = shutil.which(REDIS_PROGRAM)
+    if program is None:
+        raise FileNotFoundError(f"{REDIS_PROGRAM} is not installed (make system-deps installs it)")
+    with socket.socket() as probe:  # a free port; redis-server cannot be asked for "any"
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [program, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen([*argv, "--loglevel", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_redis(port, proc, startup_timeout)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(startup_timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_redis(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{REDIS_PROGRAM} exited with status {proc.returncode} on port {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(64).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.02)
+    raise RuntimeError(f"{REDIS_PROGRAM} did not answer on port {port} within {timeout} s")
+
+
 # -- the CLI -------------------------------------------------------------------------------------
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """``--model`` and one flag per leaf setting of :class:`ServiceConfig` (``--max-batch``, ...).
@@ -205,6 +265,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs.update(type=_optional(int), metavar="N|none")
         elif kind == (float | None):
             kwargs.update(type=_optional(float), metavar="SECONDS|none")
+        elif kind == (str | None):
+            kwargs.update(type=_optional(str), metavar="TEXT|none")
         elif kind == tuple[str, ...]:
             kwargs.update(type=_names, metavar="NAME,...")
         elif kind in (int, float, str):
@@ -212,10 +274,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         else:  # pragma: no cover - a new kind of field needs a parser here
             raise TypeError(f"no flag parser for {owner.__name__}.{f.name}: {kind}")
         parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+    parser.add_argument(
+        "--auth-secret-env",
+        metavar="NAME",
+        help="read auth_secret from this environment variable (kept off the command line, which ps shows)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
-    return ServiceConfig.of(**{f.name: getattr(args, f.name) for _, _, f in leaves()})
+    settings = {f.name: getattr(args, f.name) for _, _, f in leaves()}
+    name = getattr(args, "auth_secret_env", None)
+    if name:
+        if settings["auth_secret"] is not None:
+            raise SystemExit("give --auth-secret or --auth-secret-env, not both")
+        if not os.environ.get(name):
+            raise SystemExit(f"--auth-secret-env {name}: that environment variable is not set")
+        settings["auth_secret"] = os.environ[name]
+    return ServiceConfig.of(**settings)
 
 
 def _optional(kind: type) -> Any:

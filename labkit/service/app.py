@@ -4,10 +4,13 @@ Routes live in modules named for what they serve: ``streaming`` (``/v1/stream``,
 ``/v1/generate``), ``openai`` (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``),
 ``resume`` (``/v1/streams/{id}/events``), ``lab`` (``/lab/...``, mounted only when
 ``http.lab_routes`` asks for it); operations (``/stats``, ``/healthz``, ``/metrics``) are here.
-Every request first passes the guards (an allowed ``Host``, ``Retry-After`` on every 503) and the
-body limit. Every route is ``async def``: a sync route or dependency would run in AnyIO's
-thread pool, and the lab promises that it starts no thread but the step thread (and the
-server's own, in ``serve_in_thread``).
+Every request first passes the guards (an allowed ``Host``, ``Retry-After`` on every 503), the
+bearer-token check when ``auth_secret`` is set (:mod:`~labkit.service.auth`) and the body limit;
+``gzip`` puts Starlette's compression innermost (:mod:`~labkit.service.compression`). Every route
+is ``async def``: a sync route or dependency would run in AnyIO's thread pool, and the lab
+promises that it starts no thread but the step thread (and the server's own, in
+``serve_in_thread``). The exceptions are the lab routes of :mod:`~labkit.service.lab_threads`,
+which exist to show what a sync route costs.
 
 Shutdown happens in two steps. :meth:`Service.drain` runs while uvicorn still serves (see
 ``labkit.server.LabServer``): new requests get 503, every open stream ends with an ``error`` of
@@ -24,7 +27,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from labkit.service import lab_demo, lab_routes, openai, openapi, resume, streaming
+from labkit.service import auth, lab_demo, lab_routes, lab_threads, openai, openapi, resume, streaming
+from labkit.service.compression import add_gzip
 from labkit.service.config import ServiceConfig
 from labkit.service.errors import BodyLimit, error_response, install_error_handlers
 from labkit.service.guards import HostGuard, RetryAfterOn503
@@ -37,6 +41,7 @@ def build_app(engine: Any, hub: Any, config: ServiceConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await service.resume.store.ping()  # a resume store that does not answer: the server does not start
         hub.start(asyncio.get_running_loop())
         try:
             yield
@@ -44,7 +49,10 @@ def build_app(engine: Any, hub: Any, config: ServiceConfig) -> FastAPI:
             await service.aclose()
 
     app = FastAPI(title="labkit streamlab", version="0.1.0", lifespan=lifespan)
+    add_gzip(app, config.http.gzip)  # first added, so innermost: it sees only what the routes answer
     app.add_middleware(BodyLimit, limit=config.http.max_body_bytes)
+    if config.http.auth_secret is not None:  # before the body limit: a request without a token reads nothing
+        app.add_middleware(auth.BearerAuth, secret=config.http.auth_secret)
     app.add_middleware(RetryAfterOn503, retry_after_s=config.retry_after_s)
     app.add_middleware(HostGuard, allowed=config.http.allowed_hosts)  # added last: runs first
     app.state.service = service
@@ -54,6 +62,8 @@ def build_app(engine: Any, hub: Any, config: ServiceConfig) -> FastAPI:
     if config.http.lab_routes:
         app.include_router(lab_routes.router)
         app.include_router(lab_demo.router)
+        app.include_router(auth.lab_router)
+        app.include_router(lab_threads.router)
     _add_operations(app)
     return app
 

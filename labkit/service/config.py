@@ -28,6 +28,9 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 # server must bound it, so this is the one default the service sets on a layer's field.
 SERVICE_MAX_WAITING = 128
 LAYERS = ("engine", "hub", "http")
+GZIP_MODES = ("off", "default", "events")
+MAX_TTL_S = 86400.0  # a token's longest life: a day
+MIN_SECRET_CHARS = 16  # an HMAC secret shorter than this is guessable; refuse it rather than sign with it
 
 
 def setting(default: Any, help: str, **extra: Any) -> Any:
@@ -65,6 +68,22 @@ class HttpConfig:
         True, "refuse (429) a request whose deadline_s its predicted finish would miss; none is refused without one"
     )
     deadline_window: int = setting(32, "engine steps whose mean duration the deadline gate predicts with")
+    # Not shown in repr: a config printed to a log must not carry the secret.
+    auth_secret: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "HMAC secret: every /v1/ route then needs 'Authorization: Bearer <token>' (labkit.service.auth); "
+            "the flag shows it to ps, --auth-secret-env NAME reads it from the environment instead"
+        },
+    )
+    auth_ttl_s: float = setting(300.0, "lifetime of a token that /lab/token or mint_token issues without a ttl_s")
+    gzip: str = setting(
+        "off",
+        "Starlette's GZipMiddleware: off; default (its own exclusions, text/event-stream among them: only "
+        "non-stream answers are compressed); events (text/event-stream too, each event flushed)",
+        choices=GZIP_MODES,
+    )
 
     def __post_init__(self) -> None:
         _check(self, "host", lambda v: isinstance(v, str) and bool(v), "a host name or address")
@@ -86,6 +105,12 @@ class HttpConfig:
         _check(self, "log_level", lambda v: v in LOG_LEVELS, f"one of {LOG_LEVELS}")
         _check(self, "deadline_gate", lambda v: isinstance(v, bool), "a bool")
         _check(self, "deadline_window", lambda v: _is_int(v) and 1 <= v <= 4096, "an int in [1, 4096]")
+        secret = self.auth_secret
+        if not (secret is None or (isinstance(secret, str) and len(secret) >= MIN_SECRET_CHARS)):
+            # the value is not quoted: even a refused secret stays out of logs and tracebacks
+            raise ValueError(f"HttpConfig.auth_secret must be None or a str of at least {MIN_SECRET_CHARS} characters")
+        _check(self, "auth_ttl_s", lambda v: _positive_number(v) and v <= MAX_TTL_S, f"a number in (0, {MAX_TTL_S}]")
+        _check(self, "gzip", lambda v: v in GZIP_MODES, f"one of {GZIP_MODES}")
 
 
 @dataclass(frozen=True)
@@ -107,6 +132,12 @@ class ServiceConfig:
         64,
         "resumable streams alive at once, with or without a client; more get 429 (each runs for resume_grace unread)",
     )
+    resume_store: str = setting(
+        "memory",
+        "where resumable streams' logs live: memory (lost with the process), or a redis://host:port/db URL "
+        "(Redis Streams: a restarted server resumes them)",
+    )
+    resume_store_ttl: float = setting(60.0, "seconds a log in a redis resume_store outlives its last write")
     retry_after_s: int = setting(1, "Retry-After on every 429 and 503")
     default_max_tokens: int = setting(256, "chat completions that name no limit")
 
@@ -114,7 +145,8 @@ class ServiceConfig:
         for name, kind in (("engine", EngineConfig), ("hub", HubConfig), ("http", HttpConfig)):
             _check(self, name, lambda v, kind=kind: isinstance(v, kind), f"a {kind.__name__}")
         _check(self, "response_class", lambda v: v in RESPONSE_CLASSES, f"one of {RESPONSE_CLASSES}")
-        for name in ("keepalive_interval", "drain_grace", "resume_grace"):
+        _check(self, "resume_store", _is_store, "'memory' or a redis:// (or rediss://) URL")
+        for name in ("keepalive_interval", "drain_grace", "resume_grace", "resume_store_ttl"):
             _check(self, name, _positive_number, "a number > 0")
         for name in ("resume_log_events", "max_resumable", "retry_after_s", "default_max_tokens"):
             _check(self, name, lambda v: _is_int(v) and v >= 1, "an int >= 1")
@@ -188,6 +220,10 @@ def _is_int(value: Any) -> bool:
 
 def _positive_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _is_store(value: Any) -> bool:
+    return value == "memory" or (isinstance(value, str) and value.startswith(("redis://", "rediss://")))
 
 
 def _check(config: Any, name: str, ok: Any, what: str) -> None:

@@ -39,6 +39,8 @@ HTTP_ONLY_TYPES = frozenset(
         "over_capacity",
         "invalid_host",
         "deadline_unreachable",
+        "unauthorized",
+        "store_unavailable",
     }
 )
 INTERNAL = "internal error"  # all a client learns of a failure that is not its fault

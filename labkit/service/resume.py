@@ -21,6 +21,10 @@ period too, so a client that lost the last events can still fetch them.
 
 Because the pump always reads at once, slow-reader policies never see a resumable stream: its
 backlog lives in the log, bounded by the token budget and ``resume_log_events``.
+
+With a ``resume_store`` other than ``memory`` (:mod:`labkit.service.resume_store`) the pump also
+writes every frame to the store, before the log's followers see it, and a resume for an id this
+process does not hold is answered from the store, with the same refusals.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from labkit.service import openapi
 from labkit.service.errors import ServiceError
 from labkit.service.frames import PING, Frame, frames, wire_bytes
 from labkit.service.responses import sse_response
+from labkit.service.resume_store import MemoryStore, ResumeStore, StoredLog, StoreUnavailable
 
 router = APIRouter()
 
@@ -56,6 +61,7 @@ class EventLog:
         self.followers = 0
         self.timer: asyncio.TimerHandle | None = None
         self.pump: asyncio.Task[None] | None = None
+        self.expired = False  # nobody came back in time: the run is cancelled and its stored copy deleted
 
     @property
     def last_id(self) -> int:
@@ -87,11 +93,20 @@ class EventLog:
 
 class ResumeRegistry:
     def __init__(
-        self, hub: Hub, model_name: str, *, grace: float, capacity: int, keepalive: float, pad_bytes: int
+        self,
+        hub: Hub,
+        model_name: str,
+        *,
+        grace: float,
+        capacity: int,
+        keepalive: float,
+        pad_bytes: int,
+        store: ResumeStore | None = None,
     ) -> None:
         self.hub, self.model_name = hub, model_name
         self.grace, self.capacity = grace, capacity
         self.keepalive, self.pad_bytes = keepalive, pad_bytes
+        self.store: ResumeStore = store or MemoryStore()
         self._logs: dict[str, EventLog] = {}
 
     def __len__(self) -> int:
@@ -107,11 +122,22 @@ class ResumeRegistry:
             raise ServiceError(404, "not_found", f"no resumable stream {clip(rid)!r} (unknown, or expired)")
         return log
 
-    def start(self, stream: Stream, prompt_tokens: int) -> EventLog:
-        """Log the start event and begin pumping the hub stream into the log."""
+    async def start(self, stream: Stream, prompt_tokens: int) -> EventLog:
+        """Log the start event (in the store first) and begin pumping the hub stream into the log.
+
+        The store's copy of ``start`` leaves the resume token out: the store keeps only its hash."""
         log = EventLog(stream.rid, self.capacity)
         encoder = StreamEncoder()
         start = encoder.start(stream.rid, self.model_name, prompt_tokens, resume_token=log.token)
+        stored = StreamEncoder().start(stream.rid, self.model_name, prompt_tokens)
+        try:
+            await self.store.create(stream.rid, log.token)
+            await self.store.append(stream.rid, Frame("start", stored, encoder.last_id))
+        except BaseException as exc:
+            self.hub.close(stream)
+            if isinstance(exc, StoreUnavailable):
+                raise ServiceError(503, "store_unavailable", str(exc)) from None
+            raise
         log.append(Frame("start", start, encoder.last_id))
         self._logs[stream.rid] = log
         log.pump = asyncio.get_running_loop().create_task(self._pump(stream, encoder, log))
@@ -119,25 +145,48 @@ class ResumeRegistry:
 
     async def _pump(self, stream: Stream, encoder: StreamEncoder, log: EventLog) -> None:
         try:
-            async for frame in frames(stream, encoder, keepalive=None):
+            async for frame in frames(stream, encoder, keepalive=self.store.refresh_s):
+                if frame is PING:  # quiet for refresh_s: the run is alive, say so to the store
+                    await self.store.alive(stream.rid)
+                    continue
+                await self.store.append(stream.rid, frame)  # write-ahead: no client holds an id the store lacks
                 log.append(frame)
+        except StoreUnavailable:
+            log.append(Frame("error", encoder.error("internal_error", "internal error"), encoder.last_id))
         finally:
             self.hub.close(stream)
             log.finish()
             if log.followers == 0:
                 self._arm(log)
+            try:
+                await (self.store.forget(stream.rid) if log.expired else self.store.release(stream.rid))
+            except StoreUnavailable:
+                pass  # the keys expire on their own
 
     # -- followers ----------------------------------------------------------------------------
     def check_cursor(self, rid: str, token: str | None, cursor: int) -> EventLog | None:
         """The log to follow; None for "finished, nothing left" (204); or raise the refusal."""
         log = self.find(rid, token)
-        if cursor > log.last_id:
-            raise ServiceError(422, "invalid_request", f"event {cursor} does not exist; the last is {log.last_id}")
-        if log.finished and cursor == log.last_id:
-            return None
-        if cursor < log.first_id - 1:
-            raise ServiceError(410, "gone", f"events after {cursor} were evicted; the log starts at {log.first_id}")
-        return log
+        return log if to_follow(log, cursor) else None
+
+    async def check_stored(self, rid: str, token: str | None, cursor: int) -> StoredLog | None:
+        """:meth:`check_cursor` for a stream this process does not hold, asked of the store."""
+        try:
+            log = None if token is None else await self.store.find(rid, token)
+        except StoreUnavailable as exc:
+            raise ServiceError(503, "store_unavailable", str(exc)) from None
+        if log is None:
+            self.find(rid, None)  # raises the very 404 of an unknown id
+        assert log is not None
+        return log if to_follow(log, cursor) else None
+
+    async def follow_stored(self, log: StoredLog, cursor: int) -> AsyncIterator[bytes]:
+        """Replay and follow a stored log; a store that fails mid-way cuts the stream (the client resumes)."""
+        try:
+            async for frame in self.store.follow(log, cursor, self.keepalive):
+                yield PING.data if frame is None else wire_bytes(frame, self.pad_bytes)
+        except StoreUnavailable:
+            return
 
     async def follow(self, log: EventLog, cursor: int) -> AsyncIterator[bytes]:
         """Replay what is after ``cursor``, then follow live until the terminal event."""
@@ -182,6 +231,7 @@ class ResumeRegistry:
             return
         self._logs.pop(log.rid, None)
         if log.pump is not None and not log.pump.done():
+            log.expired = True
             log.pump.cancel()  # its finally closes the hub stream, which cancels the request
 
     async def aclose(self) -> None:
@@ -197,6 +247,19 @@ class ResumeRegistry:
         for log in logs:
             if log.timer is not None:
                 log.timer.cancel()
+        await self.store.aclose()
+
+
+def to_follow(log: EventLog | StoredLog, cursor: int) -> bool:
+    """True: follow ``log`` after ``cursor``; False: it finished and nothing is after it (204);
+    or raise the refusal (422 an id that does not exist, 410 one already evicted)."""
+    if cursor > log.last_id:
+        raise ServiceError(422, "invalid_request", f"event {cursor} does not exist; the last is {log.last_id}")
+    if log.finished and cursor == log.last_id:
+        return False
+    if cursor < log.first_id - 1:
+        raise ServiceError(410, "gone", f"events after {cursor} were evicted; the log starts at {log.first_id}")
+    return True
 
 
 def _same(given: str, expected: str) -> bool:
@@ -226,7 +289,14 @@ async def resume_events(
 ) -> Response:
     service = request.app.state.service
     cursor = parse_cursor(last_event_id, after)
-    log = service.resume.check_cursor(request_id, x_resume_token or token, cursor)
+    given = x_resume_token or token
+    if service.resume.get(request_id) is None:  # not run here: perhaps by a server before this one
+        stored = await service.resume.check_stored(request_id, given, cursor)
+        if stored is None:
+            return Response(status_code=204)
+        body = service.resume.follow_stored(stored, cursor)
+        return sse_response(body, service.config.response_class, request_id=request_id)
+    log = service.resume.check_cursor(request_id, given, cursor)
     if log is None:
         return Response(status_code=204)
     return sse_response(service.resume.follow(log, cursor), service.config.response_class, request_id=request_id)

@@ -14,6 +14,7 @@ from labkit.hub import Hub, Stream
 from labkit.service.deadline import DeadlineGate
 from labkit.service.metrics import Metrics
 from labkit.service.resume import ResumeRegistry
+from labkit.service.resume_store import open_store
 from labkit.service.stats import ServiceStats, read_stats
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,6 +41,7 @@ class Service:
             capacity=config.resume_log_events,
             keepalive=config.keepalive_interval,
             pad_bytes=config.pad_bytes,
+            store=open_store(config.resume_store, capacity=config.resume_log_events, ttl=config.resume_store_ttl),
         )
         self.floods: OrderedDict[str, Any] = OrderedDict()
 

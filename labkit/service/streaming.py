@@ -106,7 +106,7 @@ async def post_stream(body: StreamRequest, request: Request) -> Response:
     stream, prompt_tokens = await open_stream(service, body)
     kind = service.config.response_class
     if body.resumable:
-        log = service.resume.start(stream, prompt_tokens)
+        log = await service.resume.start(stream, prompt_tokens)
         return sse_response(
             service.resume.follow(log, 0), kind, request_id=stream.rid, headers={"X-Resume-Token": log.token}
         )
