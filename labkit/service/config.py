@@ -42,7 +42,8 @@ class HttpConfig:
     Timeouts protect against clients that hold a connection without finishing anything: an
     idle keep-alive connection, a request head sent a byte at a time (slowloris), a body that
     never completes, a response the client stops reading. The connection cap bounds how many
-    sockets (and coroutines) a crowd of such clients can pin before the timeouts fire.
+    connections are served at once, and a second bound how many may wait for their first request
+    (:mod:`labkit.service.connections` says which is refused or closed, and when).
     """
 
     host: str = setting("127.0.0.1", "address to listen on (loopback by default)")
@@ -58,7 +59,12 @@ class HttpConfig:
     )
     body_timeout: float = setting(30.0, "seconds from the end of a request's head until its body is complete")
     send_timeout: float = setting(30.0, "seconds a response write may make no progress before the connection is closed")
-    max_connections: int = setting(256, "open connections served at once; requests on connections beyond it get 503")
+    max_connections: int = setting(
+        256, "connections served at once (each from its first request on); a new one beyond it gets 503"
+    )
+    max_pending_connections: int = setting(
+        256, "connections not yet served (no complete request yet); one more closes the oldest of them"
+    )
     max_body_bytes: int = setting(1 << 20, "larger request bodies get 413 before anything reads or tokenizes them")
     log_level: str = setting("info", "uvicorn's log level", choices=LOG_LEVELS)
     deadline_gate: bool = setting(
@@ -81,7 +87,7 @@ class HttpConfig:
         _check(self, "sndbuf", lambda v: v is None or (_is_int(v) and v >= 4096), "None or an int >= 4096")
         for name in ("idle_timeout", "header_timeout", "body_timeout", "send_timeout"):
             _check(self, name, _positive_number, "a number > 0")
-        for name in ("max_connections", "max_body_bytes"):
+        for name in ("max_connections", "max_pending_connections", "max_body_bytes"):
             _check(self, name, lambda v: _is_int(v) and v >= 1, "an int >= 1")
         _check(self, "log_level", lambda v: v in LOG_LEVELS, f"one of {LOG_LEVELS}")
         _check(self, "deadline_gate", lambda v: isinstance(v, bool), "a bool")
