@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 from service_helpers import TIMEOUT, RawClient, lab_server, wait_until
 
 
@@ -235,3 +236,24 @@ def test_a_slow_but_steady_reader_is_not_cut_off(tiny_gpt2: Any) -> None:
         reader.close_fin()
         assert len(received) > 8 * 64 * 1024
         assert "send_timeout" not in closes(server)
+
+
+# -- framing ------------------------------------------------------------------------------------
+GENERATE = b'{"prompt": "Hello", "max_new_tokens": 2}'
+
+
+def test_a_request_with_both_content_length_and_transfer_encoding_is_answered_then_closed(tiny_gpt2: Any) -> None:
+    """RFC 9112 6.1: chunked framing wins (as h11 reads it), and the server must close the
+    connection after answering, so a request smuggled behind it is never served."""
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(GENERATE), GENERATE)
+    with lab_server(tiny_gpt2) as server:
+        sock = connect(server)
+        sock.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked
+                     + b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        raw = read_until_closed(sock)
+        sock.close()
+    assert raw.count(b"HTTP/1.1 ") == 1, raw  # the pipelined request was never served
+    status, body, headers = status_and_body(raw)
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    assert headers["connection"] == "close"

@@ -33,6 +33,12 @@ The cap is on connections that are being served, not on sockets (:class:`Slots`)
 
 (Counting every open socket at each request, as before, let a crowd of silent sockets refuse
 every request, even one on a connection served a moment earlier.)
+
+Framing, where uvicorn leaves a choice open:
+
+* a request with both ``Content-Length`` and ``Transfer-Encoding`` is read as chunked (h11's
+  reading) and answered with ``Connection: close``, then the connection is closed, as RFC 9112
+  section 6.1 requires: whatever a front end thought the body was, nothing after it is served.
 """
 
 from __future__ import annotations
@@ -230,9 +236,27 @@ class GuardedH11Protocol(H11Protocol):
                 await send({"type": "http.response.body", "body": _body("over_capacity", message)})
                 return
             scope[TRANSPORT_KEY] = self.transport  # for a lab route that must cut its connection (lab_demo)
+            if scope["type"] == "http" and _both_lengths(scope["headers"]):
+                send = _closing(send)
             await app(scope, receive, send)
 
         return capped
+
+
+def _both_lengths(headers: list[tuple[bytes, bytes]]) -> bool:
+    names = {name for name, _ in headers}
+    return b"content-length" in names and b"transfer-encoding" in names
+
+
+def _closing(send: Any) -> Any:
+    """``send`` with ``Connection: close`` on the response: h11 then ends the connection after it."""
+
+    async def closing(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+        await send(message)
+
+    return closing
 
 
 def _body(type: str, message: str) -> bytes:
