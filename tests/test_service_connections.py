@@ -257,3 +257,37 @@ def test_a_request_with_both_content_length_and_transfer_encoding_is_answered_th
     status, body, headers = status_and_body(raw)
     assert status == 200 and body["usage"]["completion_tokens"] == 2
     assert headers["connection"] == "close"
+
+
+def post(path: bytes, body: bytes) -> bytes:
+    return (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (path, len(body), body))
+
+
+@pytest.mark.parametrize("request_bytes, answer", [
+    (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", b'"status":"ok"'),
+    (post(b"/v1/stream", GENERATE), b"event: done"),
+    (post(b"/v1/generate", GENERATE), b'"completion_tokens":2'),
+], ids=["healthz", "stream", "generate"])
+def test_a_client_that_half_closes_after_a_whole_request_is_answered(tiny_gpt2: Any, request_bytes: bytes,
+                                                                     answer: bytes) -> None:
+    """``shutdown(SHUT_WR)`` after a complete request says "no more requests", not "gone": the
+    answer is sent (as nginx does), then the connection is closed."""
+    with lab_server(tiny_gpt2) as server:
+        sock = connect(server)
+        sock.sendall(request_bytes)
+        sock.shutdown(socket.SHUT_WR)
+        raw = read_until_closed(sock)
+        sock.close()
+    assert raw.startswith(b"HTTP/1.1 200 ") and answer in raw, raw
+
+
+def test_a_client_that_half_closes_in_the_middle_of_its_body_is_not_served(tiny_gpt2: Any) -> None:
+    with lab_server(tiny_gpt2) as server:
+        sock = connect(server)
+        sock.sendall(b"POST /v1/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n" + GENERATE)
+        sock.shutdown(socket.SHUT_WR)
+        assert read_until_closed(sock) == b""
+        sock.close()
+        assert server.hub.stats().ends == {}  # nothing was submitted
