@@ -4,6 +4,7 @@ Routes live in modules named for what they serve: ``streaming`` (``/v1/stream``,
 ``/v1/generate``), ``openai`` (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``),
 ``resume`` (``/v1/streams/{id}/events``), ``lab`` (``/lab/...``, mounted only when
 ``http.lab_routes`` asks for it); operations (``/stats``, ``/healthz``, ``/metrics``) are here.
+The schema and its pages (``/openapi.json``, ``/docs``, ``/redoc``) only when ``http.docs`` asks.
 Every request first passes the guards (an allowed ``Host``, ``Retry-After`` on every 503) and the
 body limit. Every route is ``async def``: a sync route or dependency would run in AnyIO's
 thread pool, and the lab promises that it starts no thread but the step thread (and the
@@ -43,7 +44,15 @@ def build_app(engine: Any, hub: Any, config: ServiceConfig) -> FastAPI:
         finally:
             await service.aclose()
 
-    app = FastAPI(title="labkit streamlab", version="0.1.0", lifespan=lifespan)
+    docs = config.http.docs  # off by default: the docs pages load their scripts from a CDN
+    app = FastAPI(
+        title="labkit streamlab",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.add_middleware(BodyLimit, limit=config.http.max_body_bytes)
     app.add_middleware(RetryAfterOn503, retry_after_s=config.retry_after_s)
     app.add_middleware(HostGuard, allowed=config.http.allowed_hosts)  # added last: runs first

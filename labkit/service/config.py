@@ -52,6 +52,7 @@ class HttpConfig:
         LOOPBACK_HOSTS, "Host header names accepted (any port); '*' accepts any. Others get 400 (DNS rebinding)"
     )
     lab_routes: bool = setting(False, "mount the /lab/... routes (per-stream records, /lab/flood) the experiments use")
+    docs: bool = setting(False, "serve /docs, /redoc and /openapi.json (the docs pages load their scripts from a CDN)")
     sndbuf: int | None = setting(None, "SO_SNDBUF for every connection; none: let the kernel autotune it")
     idle_timeout: float = setting(5.0, "seconds a connection may wait for the first byte of its next request")
     header_timeout: float = setting(
@@ -83,7 +84,8 @@ class HttpConfig:
             ),
             "a non-empty tuple of lower-case host names",
         )
-        _check(self, "lab_routes", lambda v: isinstance(v, bool), "a bool")
+        for name in ("lab_routes", "docs"):
+            _check(self, name, lambda v: isinstance(v, bool), "a bool")
         _check(self, "sndbuf", lambda v: v is None or (_is_int(v) and v >= 4096), "None or an int >= 4096")
         for name in ("idle_timeout", "header_timeout", "body_timeout", "send_timeout"):
             _check(self, name, _positive_number, "a number > 0")
