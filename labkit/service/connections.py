@@ -141,7 +141,7 @@ class GuardedH11Protocol(H11Protocol):
         self._unset_keepalive_if_required()  # the idle timer below replaces uvicorn's keep-alive
         self._follow_phase()
 
-    def eof_received(self) -> bool | None:
+    def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio.Protocol's signature
         request_in = self.conn.their_state in (h11.DONE, h11.MUST_CLOSE)
         if request_in and self.cycle is not None and not self.cycle.response_complete:
             self.cycle.keep_alive = False  # answer it, then close: no request can follow
