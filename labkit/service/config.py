@@ -109,11 +109,16 @@ class ServiceConfig:
     keepalive_interval: float = setting(15.0, "seconds without an event before a ': ping' comment")
     pad_bytes: int = setting(0, "pad every token event with an SSE comment of this many bytes (a lab device)")
     drain_grace: float = setting(5.0, "seconds shutdown may take: open streams end, then the process exits")
-    resume_grace: float = setting(10.0, "seconds a resumable run survives without a connected client")
+    resume_grace: float = setting(
+        10.0, "seconds a resumable run survives without a connected client, and its log once it finished"
+    )
     resume_log_events: int = setting(4096, "events kept per resumable stream")
     max_resumable: int = setting(
         64,
         "resumable streams alive at once, with or without a client; more get 429 (each runs for resume_grace unread)",
+    )
+    resumable_share: float = setting(
+        0.5, "the share of max_resumable one client (by address) may hold at once; more get 429 (at least 1)"
     )
     retry_after_s: int = setting(1, "Retry-After on every 429 and 503")
     default_max_tokens: int = setting(256, "chat completions that name no limit")
@@ -126,6 +131,7 @@ class ServiceConfig:
             _check(self, name, _positive_number, "a number > 0")
         for name in ("resume_log_events", "max_resumable", "retry_after_s", "default_max_tokens"):
             _check(self, name, lambda v: _is_int(v) and v >= 1, "an int >= 1")
+        _check(self, "resumable_share", lambda v: _positive_number(v) and v <= 1, "a number in (0, 1]")
         _check(self, "pad_bytes", lambda v: _is_int(v) and 0 <= v <= 64 * 2**20, "an int in [0, 64 MiB]")
 
     # -- the flat view ----------------------------------------------------------------------
