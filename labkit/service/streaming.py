@@ -23,12 +23,12 @@ from labkit.schema import StreamEncoder
 from labkit.service.deadline import DeadlineSeconds
 from labkit.service.errors import ServiceError, public_message
 from labkit.service.frames import frames, start_frame, wire_bytes
-from labkit.service.intake import Count, Number, Prompt, Seed, Stop, prompt_ids
+from labkit.service.intake import Count, Number, OffLoopBody, Prompt, Seed, Stop, prompt_ids
 from labkit.service.openapi import BODY_REFUSALS, LAB_STREAM
 from labkit.service.responses import sse_response
 from labkit.service.state import Service
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopBody)
 T = TypeVar("T")
 _ERROR_STATUS = {"shutdown": 503, "draining": 503, "slow_client": 503, "cancelled": 503, "queue_timeout": 503}
 
