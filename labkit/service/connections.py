@@ -39,10 +39,10 @@ Framing, where uvicorn leaves a choice open:
 * a request with both ``Content-Length`` and ``Transfer-Encoding`` is read as chunked (h11's
   reading) and answered with ``Connection: close``, then the connection is closed, as RFC 9112
   section 6.1 requires: whatever a front end thought the body was, nothing after it is served;
-* a client that half-closes (``shutdown(SHUT_WR)``) after a whole request is answered, then the
-  connection is closed (uvicorn took the EOF for a disconnect and answered nothing). A stream so
-  answered learns that its client left only when a write fails (RST), not from the EOF. A
-  half-close before the request is whole is a disconnect, as before.
+* a client that half-closes (``shutdown(SHUT_WR)``) has left, even after a whole request: uvicorn
+  closes, and the request is cancelled. That is nginx's default for a proxied request
+  (``proxy_ignore_client_abort off``) and the lab's meaning of leaving "by FIN"; answering it
+  instead would leave a queued or paused request unnoticed until a write to the client failed.
 """
 
 from __future__ import annotations
@@ -140,13 +140,6 @@ class GuardedH11Protocol(H11Protocol):
         super().on_response_complete()
         self._unset_keepalive_if_required()  # the idle timer below replaces uvicorn's keep-alive
         self._follow_phase()
-
-    def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio.Protocol's signature
-        request_in = self.conn.their_state in (h11.DONE, h11.MUST_CLOSE)
-        if request_in and self.cycle is not None and not self.cycle.response_complete:
-            self.cycle.keep_alive = False  # answer it, then close: no request can follow
-            return True  # keep the transport open for writing
-        return super().eof_received()  # None: the transport closes
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_phase()
