@@ -1,6 +1,9 @@
 # Two commands a new user runs on a fresh machine: `make lab` and `make test`; `make jupyter` to
 # work in the notebooks. Each creates and fills .venv on first use and reuses it afterwards.
 PYTHON ?= python3
+# The oldest Python labkit runs on: pyproject.toml's requires-python (tests/test_python_floor.py).
+PYTHON_FLOOR := 3.11
+comma := ,
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
@@ -12,6 +15,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 .PHONY: lint lab bench test test-fast jupyter demo sync-notebooks clean-venv system-deps
 
 $(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -c 'import sys; sys.exit(sys.version_info < ($(subst .,$(comma),$(PYTHON_FLOOR))))' \
+		|| { echo "streamlab needs Python $(PYTHON_FLOOR) or newer; '$(PYTHON)' is $$($(PYTHON) --version 2>&1)." \
+			"Run: make PYTHON=python$(PYTHON_FLOOR) ..."; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[lab,dev]' torch==2.13.0

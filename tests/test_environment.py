@@ -8,12 +8,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
+import tomllib
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    tomllib = pytest.importorskip("tomli")
+import pytest
 
 yaml = pytest.importorskip("yaml")
 
