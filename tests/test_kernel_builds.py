@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_helpers import fake_compiler, like_apple_clang
 
 from labkit.engine import kernels, rowwise
 from labkit.engine.attention import choose_attention
-from labkit.engine.engine import BatchEngine
 from labkit.engine.config import EngineConfig
+from labkit.engine.engine import BatchEngine
 from labkit.engine.kernels import BuildOptions, KernelUnavailable, build_report, build_summary
 from labkit.engine.matmul import PackedWeight, choose_matmul, fixed_matmul, speed_check
 from labkit.models import LoadedModel
-from kernel_helpers import fake_compiler, like_apple_clang
 
 CPU = torch.device("cpu")
 X86 = platform.machine() in ("x86_64", "AMD64")
@@ -103,10 +103,15 @@ def test_a_compiler_without_openmp_builds_every_kernel_for_one_thread_with_the_s
 # -- a compiler that fails -------------------------------------------------------------------------
 @needs_gxx
 def test_a_failing_compiler_is_reported_once_and_the_runner_says_why(
-    fresh_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    fresh_cache: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
     tiny_llama: LoadedModel,
 ) -> None:
-    broken = fake_compiler(tmp_path / "bin", "g++", "echo 'g++: fatal error: cannot execute cc1plus: No such file' >&2; exit 1")
+    broken = fake_compiler(
+        tmp_path / "bin", "g++", "echo 'g++: fatal error: cannot execute cc1plus: No such file' >&2; exit 1"
+    )
     monkeypatch.setenv("LABKIT_CXX", broken)
     reason = "g++ failed to compile a test library: g++: cannot execute cc1plus: No such file"
     with caplog.at_level(logging.WARNING, logger="labkit.engine.kernels"):
@@ -140,7 +145,7 @@ def test_without_hardware_fma_auto_takes_torchs_ops_and_kernel_still_runs(
     assert rowwise.available(CPU, torch.float32) is None
     asked = choose_matmul("kernel", CPU, torch.float32)
     assert asked.mode == "kernel" and "slow here" in asked.reason
-    assert build_summary() .startswith("kernels: built (g++ -march=x86-64-v2; OpenMP; no FMA)")
+    assert build_summary().startswith("kernels: built (g++ -march=x86-64-v2; OpenMP; no FMA)")
 
 
 @needs_gxx

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kernel_helpers import like_apple_clang
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -44,7 +44,13 @@ def test_every_statement_of_the_python_floor_agrees_with_pyproject() -> None:
 def vermin(paths: list[Path], target: tuple[int, int]) -> subprocess.CompletedProcess[str]:
     """vermin's verdict on ``paths`` against ``target`` and newer (exit status 0: nothing newer is used)."""
     pytest.importorskip("vermin", reason="vermin is a dev dependency: pip install -e '.[dev]'")
-    command = [sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())", f"--target={target[0]}.{target[1]}-", "--violations"]
+    command = [
+        sys.executable,
+        "-c",
+        "import sys, vermin; sys.exit(vermin.main())",
+        f"--target={target[0]}.{target[1]}-",
+        "--violations",
+    ]
     command += ["--no-tips", "--eval-annotations", "--no-parse-comments", *map(str, paths)]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
 
