@@ -139,7 +139,7 @@ def _save_bench(what: str, table, before) -> None:
     meta = {
         "git_commit": git_commit(),
         "code_dirty": code_dirty(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "torch_threads": torch.get_num_threads(),
         **machine,
     }

@@ -269,13 +269,14 @@ def test_a_changed_header_is_a_new_build(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("paged_decode.cpp", "cephes_exp.h"):
-        shutil.copy(kernels.SOURCE.parent / name, src / name)
+    for path in [kernels.SOURCE, *kernels.SOURCE.parent.glob("*.h")]:
+        shutil.copy(path, src / path.name)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    first = kernels._load(src / "paged_decode.cpp", kernels.compiler())
-    assert kernels._load(src / "paged_decode.cpp", kernels.compiler()).path == first.path
+    options = kernels.BuildOptions.from_env()
+    first = kernels._load(src / "paged_decode.cpp", options)
+    assert kernels._load(src / "paged_decode.cpp", options).path == first.path
     (src / "cephes_exp.h").write_text((src / "cephes_exp.h").read_text() + "\n// edited\n")
-    second = kernels._load(src / "paged_decode.cpp", kernels.compiler())
+    second = kernels._load(src / "paged_decode.cpp", options)
     assert second.path != first.path and first.path.exists() and second.path.exists()
 
 

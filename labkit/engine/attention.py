@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from labkit.engine.kernels import paged_decode_kernel, why_unavailable
+from labkit.engine.kernels import decide, paged_decode_kernel
 
 DEFAULT_SPAN = 64  # positions; widths are multiples of this (and of the block size)
 ATTENTION_MODES = ("auto", "kernel", "gather")
@@ -47,12 +47,8 @@ def choose_attention(requested: str, device: torch.device, dtype: torch.dtype) -
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {requested!r}")
     if requested == "gather":
         return AttentionChoice("gather", "asked for")
-    why_not = why_unavailable("paged kernel", device, dtype, paged_decode_kernel)
-    if why_not is None:
-        return AttentionChoice("kernel", "compiled and loaded" if requested == "kernel" else "auto: kernel available")
-    if requested == "kernel":
-        raise ValueError(f"attention='kernel' is unavailable: {why_not}")
-    return AttentionChoice("gather", f"auto: {why_not}")
+    kernel, reason = decide("attention", requested, "paged kernel", device, dtype, paged_decode_kernel)
+    return AttentionChoice("kernel" if kernel else "gather", reason if kernel else f"{reason}; using the gather")
 
 
 @dataclass(frozen=True)

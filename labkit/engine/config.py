@@ -20,11 +20,13 @@ class EngineConfig:
     has (see runner.py): the fixed-order matmul (``matmul``), or row tiles of ``tile_rows``.
     ``max_waiting=None`` means no waiting limit. ``kv_cache_mb`` caps the default cache size.
     ``attention``: how decode reads the cache: ``"kernel"`` through the block tables (paged
-    kernel), ``"gather"`` by a contiguous copy, ``"auto"`` the kernel where it builds (see
-    attention.py ``choose_attention``; the runner's ``attention.reason`` says which and why).
+    kernel), ``"gather"`` by a contiguous copy, ``"auto"`` the kernel where it builds with hardware
+    FMA (see attention.py ``choose_attention``; the runner's ``attention.reason`` says which and why).
     ``matmul``: how the batch-invariant mode multiplies: ``"kernel"`` in a fixed order
     (``matmul.py``), ``"library"`` through torch's matmuls in probed row chunks (``layers.Tiling``),
-    ``"auto"`` the kernel where it builds (the runner's ``matmul.reason`` says which and why).
+    ``"auto"`` the kernel where it builds with hardware FMA and, measured once on this machine, is
+    not slower than the library (the runner's ``matmul.reason`` says which and why, with the numbers).
+    On ``device="cuda"`` every kernel is off and ``auto`` says so: the torch path runs there.
     ``step_delay``: seconds slept at the end of every step that did work, for the lab only (0,
     the default, adds nothing): a slower engine on demand, so a test can show that a verdict
     counted in steps and tokens does not move when the engine's speed does.

@@ -128,7 +128,7 @@ class ModelRunner:
         # the row-wise kernels (norms, rotary positions, the K/V write, the MLP gate, the greedy
         # argmax) come with the kernels, in both modes, unless the library's ops were asked for
         self.network.native_ops = self.pool.native = (
-            matmul != "library" and rowwise.available(self.device, self.dtype) is None
+            matmul != "library" and rowwise.available(self.device, self.dtype, fast_only=matmul == "auto") is None
         )
         # what linear() gets: None = plain matmuls. The probe's answer holds for the thread count
         # it ran under (a kernel may split a reduction differently with more threads), so a

@@ -21,11 +21,8 @@ SmolLM2 from its cache costs a few seconds.
 
 from __future__ import annotations
 
-import array
 import contextlib
-import fcntl
 import socket
-import termios
 import time
 import uuid
 from dataclasses import dataclass
@@ -40,6 +37,7 @@ from labkit.experiments.rawhttp import RawConnection
 from labkit.experiments.readings import Verdict, current_step, fetch_steps, interleaved, span
 from labkit.experiments.servers import serving
 from labkit.experiments.waiting import WaitTimeout, await_for
+from labkit.machine import unread_bytes  # FIONREAD; None where the platform has none (Windows)
 from labkit.prompts import PROMPTS
 
 NAME = "buffers"
@@ -169,13 +167,6 @@ async def _poll(client: Any, flood_id: str, done: Any, timeout: float) -> dict[s
     with contextlib.suppress(WaitTimeout):  # at the bound, the caller judges the last record
         await await_for(record, timeout=timeout, what=f"flood {flood_id}")
     return seen[-1] if seen else None
-
-
-def unread_bytes(sock: socket.socket) -> int:
-    """Bytes waiting in this socket's receive buffer (``FIONREAD``), headers included."""
-    buf = array.array("i", [0])
-    fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf)
-    return int(buf[0])
 
 
 def by_size(floods: pd.DataFrame) -> pd.DataFrame:

@@ -8,14 +8,13 @@ with a missing or an unknown key, naming it, so a renamed quantity cannot fall s
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 __all__ = ["KEYS", "NO_FIGURE", "ChapterFigures", "load", "figures", "figure"]
 

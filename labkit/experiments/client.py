@@ -36,6 +36,7 @@ import httpx
 import pandas as pd
 
 from labkit.experiments.records import EventSplitter, LeaveBy, ReadOptions, StreamResult, TimedEvent, json_or_text
+from labkit.machine import linger_zero
 
 __all__ = [
     "TimedEvent",
@@ -66,7 +67,7 @@ def leave_socket(sock: socket.socket, how: LeaveBy) -> None:
     may keep reading what is still in flight before closing.
     """
     if how == "rst":
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger_zero())
     else:
         try:
             sock.shutdown(socket.SHUT_WR)

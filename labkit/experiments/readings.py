@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import pandas as pd
 
 from labkit.experiments.profiles import repo_root
+from labkit.machine import busy_seconds, loadavg, own_seconds
 
 __all__ = [
     "interleaved",
@@ -174,42 +175,11 @@ def quiet_line(machine: dict[str, Any] | None) -> str:
 
 
 def _loadavg() -> tuple[float, float, float]:
-    try:
-        one, five, fifteen = os.getloadavg()
-    except OSError:
-        return (float("nan"), float("nan"), float("nan"))
-    return (one, five, fifteen)
+    return loadavg() or (float("nan"), float("nan"), float("nan"))  # no load average (Windows)
 
 
-def _busy_seconds() -> float | None:
-    """CPU seconds every process has used since boot: /proc/stat's first line minus idle and iowait."""
-    try:
-        with open("/proc/stat") as f:
-            parts = f.readline().split()
-    except OSError:
-        return None
-    ticks = [int(x) for x in parts[1:]]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
-    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_seconds() -> float:
-    """This process's CPU seconds and those of its live and reaped children (nginx, a server
-    started as a process): psutil when it is there, else os.times (reaped children only)."""
-    try:
-        import psutil
-
-        me = psutil.Process()
-        total = sum(me.cpu_times()[:4])
-        for child in me.children(recursive=True):
-            try:
-                total += sum(child.cpu_times()[:2])
-            except psutil.Error:
-                pass
-        return float(total)
-    except Exception:
-        t = os.times()
-        return t.user + t.system + t.children_user + t.children_system
+_busy_seconds = busy_seconds
+_own_seconds = own_seconds
 
 
 def code_dirty() -> bool | None:

@@ -21,6 +21,7 @@ from typing import Any
 import pandas as pd
 
 from labkit.experiments.profiles import Profile, repo_root
+from labkit.machine import cpu_model
 
 __all__ = ["environment", "write_tables", "write_results", "save_run", "partial_dir"]
 
@@ -50,7 +51,7 @@ def environment(profile: Profile) -> dict[str, Any]:
         "code_dirty": _code_dirty(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "packages": {name: _version(name) for name in _PACKAGES},
@@ -72,16 +73,6 @@ def _code_dirty() -> bool | None:
     from labkit.experiments.readings import code_dirty
 
     return code_dirty()
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _git_commit() -> str | None:

@@ -38,7 +38,7 @@ from typing import Any
 from labkit.engine.events import FinishEvent, TokenEvent
 
 
-class StreamState(str, Enum):
+class StreamState(str, Enum):  # noqa: UP042 (a StrEnum formats and prints differently)
     QUEUED = "queued"
     RUNNING = "running"
     PAUSED = "paused"

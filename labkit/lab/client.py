@@ -31,6 +31,7 @@ import httpx
 import numpy as np
 
 from labkit.lab.stream import API, EventSplitter, LeaveBy, ReadOptions, Stream, json_or_text
+from labkit.machine import linger_zero
 
 __all__ = [
     "Request",
@@ -92,7 +93,7 @@ async def read(
                     client = await stack.enter_async_context(async_client(url, 1, options.timeout))
                 work = _httpx(client, request, options, result)
             await asyncio.wait_for(work, options.bound_s + options.drain_after_fin_s + 0.5)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         if result.left is None:
             result.error = f"no end within the {options.timeout:g} s bound of one request"
     except (httpx.ConnectError, ConnectionRefusedError) as exc:
@@ -138,7 +139,7 @@ async def _httpx(client: httpx.AsyncClient, request: Request, options: ReadOptio
             except StopAsyncIteration:
                 result.ended = time.perf_counter()
                 break
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
             if not _take(result, splitter, chunk, time.perf_counter(), options):
                 return
@@ -200,7 +201,7 @@ def _should_leave(result: Stream, options: ReadOptions) -> bool:
 def leave_socket(sock: socket.socket, how: LeaveBy) -> None:
     """FIN by shutting our sending side; RST by arming a zero linger (the close sends it)."""
     if how == "rst":
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger_zero())
     else:
         with contextlib.suppress(OSError):  # already gone: the server closed first
             sock.shutdown(socket.SHUT_WR)

@@ -247,7 +247,7 @@ class ResumeRegistry:
                         return
                     try:
                         await asyncio.wait_for(waiter.wait(), self.keepalive)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         yield PING.data
         finally:
             self._detach(log)

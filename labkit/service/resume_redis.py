@@ -58,7 +58,7 @@ class RedisStore:
 
         try:
             return await asyncio.wait_for(work, timeout)
-        except (redis.RedisError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, redis.RedisError, OSError) as exc:
             raise StoreUnavailable(f"{self._where()} failed: {type(exc).__name__}") from exc
 
     # -- writing (the server that runs the stream) ------------------------------------------------
