@@ -73,7 +73,7 @@ target
 #   (`tcp_wmem` default): Linux grows it while data waits. Falsified if any flood's bytes on the
 #   server's side (accepted minus what sat in the client) are at most that default.
 # * **bytes, not events**: the buffers hold bytes, so the amount absorbed hardly depends on the
-#   event size. Falsified if the 95% interval of the ratio of the largest median to the smallest
+#   event size. Falsified if the 95-percent interval of the ratio of the largest median to the smallest
 #   (by event size) lies wholly above 1.5; unclear if it straddles 1.5.
 
 # %%

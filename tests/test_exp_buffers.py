@@ -12,8 +12,8 @@ import pytest
 from target_helpers import labkit_serve_process
 
 from labkit.cli import main
-from labkit.experiments import buffers
-from labkit.lab import NotMeasurable
+from labkit.experiments import buffers, wire
+from labkit.lab import NotMeasurable, Target, run
 
 CI = buffers.FLOOD.sizes_for("ci")
 KERNEL = {"tcp_wmem_min": 4096, "tcp_wmem_default": 16384, "tcp_wmem_max": 4_194_304, "tcp_rmem_min": 4096,
@@ -122,3 +122,11 @@ def test_labkit_run_buffers_against_labkit_serve_in_its_own_process(tmp_path, mo
     assert "skipped buffers.flood needs labkit's own server: it has no lab routes" in capsys.readouterr().out
     unread = json.loads((tmp_path / "data" / "target-buffers" / "unread" / "results.json").read_text())
     assert [v["outcome"] for v in unread["verdicts"]] == ["holds"]
+
+
+@pytest.mark.parametrize("spec", [buffers.UNREAD, wire.RAW], ids=lambda s: s.name)
+def test_what_needs_the_raw_reader_is_not_measurable_over_https(spec: Any) -> None:
+    """No connection is made: the remote host is only named."""
+    result = run(spec, Target("https://gpu-node-3.cluster.example:8000/v1"), save=False, show=False)
+    assert list(result.table("not_measurable").because) == ["the raw reader speaks plain http only"]
+    assert result.table("rows").empty and result.verdicts == []

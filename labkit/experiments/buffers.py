@@ -196,20 +196,20 @@ async def _held(target: Any, s: Sizes, prompt: str, usual: Stream) -> dict[str, 
 
 
 def unread_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
-    rows = tables["rows"]
-    whole = rows.end_in_burst.astype(bool) & rows.failure.isna()
+    whole = (rows := tables["rows"]).end_in_burst.astype(bool) & rows.failure.isna()
     whole &= rows.server_done_before_read.astype(bool) if "server_done_before_read" in rows else True
     return [judge("an unread stream waits whole in the buffers", f"a {s.tokens}-token stream left unread sits whole "
-                  "on the way to the reader; its writer never waits", "any held stream ended later than one token gap "
-                  "after its first byte read (or, with lab routes, the server had not written it all before)",
-                  bool(len(rows)) and bool(whole.all()), f"{int(whole.sum())} of {len(rows)} whole; bytes in the "
-                  f"client's buffer {span(rows.waiting_bytes, '{:,.0f}')} (head included), body "
-                  f"{span(rows.bytes, '{:,.0f}')}", checked=True)]  # fmt: skip
+                  "on its way; its writer never waits", "any held stream ended over a token gap after its first byte "
+                  "read (or the server's record says it had not written it all)", bool(len(rows)) and bool(whole.all()),
+                  f"{int(whole.sum())} of {len(rows)} whole; waiting {span(rows.waiting_bytes, '{:,.0f}')} bytes in the "
+                  f"client's buffer (head included), body {span(rows.bytes, '{:,.0f}')}", checked=True)]  # fmt: skip
 
 
 async def _unread(trial: Trial) -> list[dict[str, Any]]:
     """The held streams and one read as usual, at once: in one batch they end together."""
     target, s, usual = trial.target, trial.sizes, Stream(api=trial.target.api)
+    if not target.url.startswith("http://"):
+        raise NotMeasurable("a stream left unread", "the raw reader speaks plain http only")
     reader = asyncio.ensure_future(target.stream(target.request(PROMPTS[1], s.tokens), result=usual))
     held = await asyncio.gather(*(_held(target, s, PROMPTS[2 + i], usual) for i in range(s.streams)))
     if (await reader).failure or len(usual.gaps) < 2:
