@@ -64,10 +64,8 @@ def committed(name: str) -> dict[str, pd.DataFrame]:
 
 
 BESIDE = {
-    "wire": chapter.wire_beside,
     "isolation": chapter.isolation_beside,
     "overlap": chapter.overlap_beside,
-    "buffers": chapter.buffers_beside,
     "slowclient": slowclient.beside_chapter,
     "disconnect": disconnect.beside_chapter,
     "leak": leak.beside_chapter,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from labkit.experiments import buffers, extensions
+from labkit.experiments import extensions
 from labkit.experiments.profiles import Profile, get_profile
 from labkit.experiments.results import partial_dir
 from labkit.experiments.durations import TOTAL, expected_duration, read_durations, record_durations
@@ -91,30 +91,6 @@ def test_run_progress_names_the_work_and_keeps_the_rows_so_far(tmp_path):
     assert progress.done == 1 and progress.bar.postfix == "condition A, repetition 1/2"
     assert pd.read_csv(tmp_path / "partial" / "rows.csv").to_dict("records") == [{"condition": "A", "value": 1}]
     assert len(pd.read_csv(tmp_path / "partial" / "frame.csv")) == 2
-
-
-def test_a_run_stopped_after_its_first_condition_leaves_that_condition_on_disk(out, tiny_gpt2, capsys):
-    """A real buffers run, interrupted (as a reader pressing stop would) after one flood."""
-    from labkit.server import serve_in_thread
-
-    config = buffers.Config(event_sizes=(1024, 65536), repetitions=1)
-    profile = Profile("ci")
-    with serve_in_thread(tiny_gpt2) as server:
-        with pytest.raises(KeyboardInterrupt):
-            with measuring(buffers, config, profile, show=False) as progress:
-                real_update = progress.update
-
-                def update(n: int = 1) -> None:
-                    real_update(n)
-                    if progress.done == 1:
-                        raise KeyboardInterrupt
-
-                progress.update = update  # type: ignore[method-assign]
-                buffers.run(config, server=server, progress=progress)
-    kept = pd.read_csv(partial_dir("buffers", profile) / "floods.csv")
-    assert kept.event_bytes.tolist() == [1024] and bool(kept.blocked.iloc[0])
-    printed = capsys.readouterr().out
-    assert "buffers: stopped after" in printed and "1 of 2 conditions" in printed and "partial" in printed
 
 
 def test_a_finished_run_prints_its_elapsed_time(capsys):

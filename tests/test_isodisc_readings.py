@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from labkit.experiments import buffers, disconnect, isolation, leak
+from labkit.experiments import disconnect, isolation, leak
 from labkit.experiments.client import launch_streams, run_sync
 from labkit.experiments.profiles import Profile
 
@@ -137,42 +137,11 @@ def test_the_full_leak_test_runs_the_chapters_300_streams_and_ci_fewer():
     assert leak.Config.for_profile(Profile("ci")).streams < 300
 
 
-# -- buffers -------------------------------------------------------------------------------------
-def _floods(accepted: int = 4_000_000, unread: int = 128_000) -> dict[str, pd.DataFrame]:
-    floods = pd.DataFrame([
-        {"event_bytes": size, "repetition": 0, "blocked": True, "server_finished": True, "bytes_accepted": accepted,
-         "client_unread_bytes": unread, "client_rcvbuf": 131072}
-        for size in (133, 65536)
-    ])
-    kernel = pd.DataFrame([
-        {"setting": "net.ipv4.tcp_rmem", "min": 4096, "default": 131072, "max": 6_291_456},
-        {"setting": "net.ipv4.tcp_wmem", "min": 4096, "default": 16384, "max": 4_194_304},
-    ])
-    return {"floods": floods, "kernel": kernel}
-
-
-def test_buffer_verdicts_read_the_kernels_limits_and_can_fail():
-    assert set(words(buffers.verdicts(_floods())).values()) == {"holds"}
-    assert words(buffers.verdicts(_floods(accepted=9_000_000)))["bounded_by_the_kernel"] == "FALSIFIED"
-    assert words(buffers.verdicts(_floods(accepted=140_000)))["send_buffer_grows"] == "FALSIFIED"
-    no_kernel = {**_floods(), "kernel": pd.DataFrame(columns=["setting", "min", "default", "max"])}
-    assert "bounded_by_the_kernel" not in words(buffers.verdicts(no_kernel))
-
-
-def test_kernel_settings_are_read_not_typed():
-    table = buffers.kernel_settings()
-    if table.empty:
-        pytest.skip("no /proc/sys/net/ipv4 here")
-    with open("/proc/sys/net/ipv4/tcp_wmem") as f:
-        assert buffers.kernel_value({"kernel": table}, "net.ipv4.tcp_wmem", "max") == int(f.read().split()[2])
-
-
-@pytest.mark.parametrize("module", [isolation, disconnect, leak, buffers])
+@pytest.mark.parametrize("module", [isolation, disconnect, leak])
 def test_every_checked_verdict_exists(module):
     tables = {
         isolation: {"streams": _iso_rows({})},
         disconnect: _trials(),
         leak: _outcome(),
-        buffers: _floods(),
     }[module]
     assert set(module.CHECKED) <= set(words(module.verdicts(tables)))

@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from labkit.experiments import drain, extensions, peers, production, watch, wire
+from labkit.experiments import drain, extensions, peers, production, watch
 from labkit.experiments.profiles import Profile
 from labkit.experiments.readings import step_spread, step_table
 from labkit.experiments.target_disconnect import DisconnectConfig
@@ -28,12 +28,6 @@ def assert_a_step_log(tables: dict[str, pd.DataFrame], at_least: int = 1) -> Non
     assert list(steps.columns[: len(COLUMNS)]) == COLUMNS
     assert len(steps) >= at_least and steps.step.is_monotonic_increasing and (steps.seconds > 0).all()
     assert step_spread(steps)["all"]["n"] == len(steps)
-
-
-def test_wire_returns_its_steps(server: Any) -> None:
-    config = wire.Config(model="tiny-gpt2", prompts=2, max_new_tokens=8, concurrency=2)
-    tables = wire.run(config, server=server)
-    assert_a_step_log(tables, at_least=8)  # two streams of 8 tokens each, after the raw capture
 
 
 def test_watch_returns_its_steps(server: Any) -> None:

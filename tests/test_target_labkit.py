@@ -1,5 +1,5 @@
 """The target path against a real ``labkit serve`` in its own process, reached only over loopback HTTP:
-the probe sees labkit's OpenAI framing, and wire and overlap run as they would against vLLM."""
+the probe sees labkit's OpenAI framing, and overlap runs as it would against vLLM (wire: tests/test_exp_wire.py)."""
 from __future__ import annotations
 
 import pytest
@@ -38,16 +38,6 @@ def test_the_probe_finds_labkit_s_framing(labkit_url) -> None:
     assert quirks.sends_done and quirks.usage_when_asked and not quirks.usage_unasked
     assert quirks.stream_options == "honoured (usage only when asked)"
     assert quirks.eos_flag == "ignore_eos" and quirks.labkit_internals
-
-
-def test_wire_passes_every_check_on_completions_and_chat(labkit_url, out) -> None:
-    for api in ("openai", "openai-chat"):
-        tables = measure_target("wire", connect(labkit_url, api=api), Profile("ci"), prompts=3, max_tokens=6,
-                                concurrency=3)
-        checks = tables["checks"]
-        assert (checks.passed == checks.streams).all(), (api, checks)
-        streams = tables["streams"]
-        assert (streams.tokens == 6).all() and (streams.bytes_per_token > 0).all()
 
 
 def test_overlap_runs_interleaved_rounds_with_speedup_against_one_stream(labkit_url, out) -> None:

@@ -57,18 +57,6 @@ def test_the_probe_reports_no_done_no_usage_and_finds_min_tokens(stub_url) -> No
     assert table["labkit internals (GET /stats block counts)"] == "not available"
 
 
-def test_wire_against_the_stub_completes_and_shows_what_is_missing(stub_url, out) -> None:
-    tables = measure_target("wire", connect(stub_url), Profile("ci"), prompts=4, max_tokens=6, concurrency=2)
-    passed = dict(zip(tables["checks"].check, tables["checks"].passed))
-    assert passed["HTTP 200 with text/event-stream"] == 4
-    assert passed["chunks in the order [role], token..., finish, [usage], [DONE]"] == 4
-    assert passed["ends with data: [DONE]"] == 0 and passed["usage in the stream"] == 0
-    assert passed["text identical to the same request answered whole"] == 4
-    streams = tables["streams"]
-    assert (streams.tokens == 6).all() and (streams.finish_reason == "length").all()  # min_tokens did it
-    assert (out / "data" / "target-wire" / "quirks.csv").exists()
-
-
 def test_overlap_against_the_stub_completes_with_every_round(stub_url, out) -> None:
     tables = measure_target("overlap", connect(stub_url), Profile("ci"), levels=(1, 2), max_tokens=5)
     runs, levels = tables["runs"], tables["levels"]

@@ -16,7 +16,7 @@ import pandas as pd
 
 from labkit.experiments.chapter_figures import NO_FIGURE, figure, figures
 
-__all__ = ["CHAPTER_SETUP", "beside", "span", "wire_beside", "isolation_beside", "overlap_beside", "buffers_beside"]
+__all__ = ["CHAPTER_SETUP", "beside", "span", "isolation_beside", "overlap_beside"]
 
 CHAPTER_SETUP = figures().setup
 
@@ -41,43 +41,6 @@ def _range(values: Any, fmt: str = "{:.0f}") -> str:
         return "n/a"
     low, high = values.min(), values.max()
     return fmt.format(low) if fmt.format(low) == fmt.format(high) else f"{fmt.format(low)}–{fmt.format(high)}"
-
-
-def wire_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    streams, checks, events = tables["streams"], tables["checks"], tables["events"]
-    passed = int((checks.passed[:-1] == checks.streams[:-1]).all())
-    full = streams[streams.finish_reason == "length"]
-    n = int(full.tokens.max()) if not full.empty else 0
-    return beside(
-        [
-            (
-                "streams passing every check",
-                figure("wire", "streams_passing"),
-                f"{len(streams) if passed else 'not all'} of {len(streams)}",
-                "streams",
-            ),
-            (
-                "streams that ran to their token limit",
-                figure("wire", "streams_to_limit"),
-                f"{len(full)} of {len(streams)}",
-                "streams",
-            ),
-            (
-                "bytes per token, whole stream (full-length streams)",
-                figure("wire", "bytes_per_token"),
-                _range(full.bytes_per_token),
-                "bytes",
-            ),
-            (f"one {n}-token stream", figure("wire", "one_stream_bytes"), _range(full.bytes), "bytes"),
-            ("one token event (median)", NO_FIGURE, f"{events.bytes[events.event == 'token'].median():.0f}", "bytes"),
-            (
-                "token events with an empty delta",
-                figure("wire", "empty_deltas"),
-                f"{int(streams.empty_deltas.sum())} of {int(streams.tokens.sum())}",
-                "events",
-            ),
-        ]
-    )
 
 
 def isolation_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
@@ -173,23 +136,6 @@ def overlap_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
                 figure("overlap", "delivery_step_end") if mode == "step_end" else figure("overlap", "delivery_prefill"),
                 f"{delivery[mode]:.0f}",
                 "ms",
-            )
-        )
-    return beside(rows)
-
-
-def buffers_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    chapter = {int(key.removeprefix("accepted_")): value for key, value in figures().sections["buffers"].items()}
-    rows = []
-    for row in tables["by_size"].itertuples():
-        low, high = int(row.bytes_accepted_min), int(row.bytes_accepted_max)
-        ours = f"{low:,}" if low == high else f"{low:,}–{high:,}"
-        rows.append(
-            (
-                f"accepted before the write blocks, {int(row.event_bytes):,}-byte events",
-                chapter.get(int(row.event_bytes), NO_FIGURE),
-                ours,
-                "bytes",
             )
         )
     return beside(rows)

@@ -6,8 +6,6 @@ the same for labkit, vLLM or a server on another continent. What needs a server'
 (block counts, step numbers, the engine's step cost) is listed in an ``unavailable`` table
 rather than guessed.
 
-* :func:`run_wire`: each prompt streamed and answered whole (temperature 0): framing, the order
-  of chunks, ``[DONE]``, usage, text against the whole answer, bytes per token.
 * :func:`run_overlap`: 1 to N streams at once, after one untimed warm-up at the largest level,
   repetitions interleaved (every level once per round, so a drift in the server's load spreads
   over all levels): makespan, tokens/s, time to first token and gaps; speedup against the same
@@ -16,176 +14,28 @@ rather than guessed.
 
 from __future__ import annotations
 
-import asyncio
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pandas as pd
 
-from labkit.experiments.client import percentiles, run_sync, timed_stream
+from labkit.experiments.client import percentiles
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
-from labkit.experiments.target import Reading, Target, read
+from labkit.experiments.target import Reading, Target
 from labkit.experiments.target_disconnect import DisconnectConfig, run_disconnect
 from labkit.experiments.target_leak import LeakConfig, run_leak
 from labkit.experiments.target_slow import SlowConfig, run_slow
 from labkit.prompts import PROMPTS
 
-__all__ = ["RUNS", "OverlapConfig", "WireConfig", "run_overlap", "run_wire"]
+__all__ = ["RUNS", "OverlapConfig", "run_overlap"]
 
 
 def _at_least(owner: str, **values: int) -> None:
     for name, value in values.items():
         if value < 1:
             raise ValueError(f"{owner}.{name} must be >= 1, got {value!r}")
-
-
-# --------------------------------------------------------------------------- wire
-
-
-@dataclass(frozen=True)
-class WireConfig:
-    prompts: int = 40
-    max_tokens: int = 32
-    concurrency: int = 8
-
-    @classmethod
-    def for_profile(cls, profile: Profile) -> WireConfig:
-        return cls() if profile.full else cls(prompts=8, max_tokens=16, concurrency=4)
-
-    @property
-    def units(self) -> int:
-        return self.prompts
-
-    def __post_init__(self) -> None:
-        _at_least("WireConfig", prompts=self.prompts, max_tokens=self.max_tokens, concurrency=self.concurrency)
-
-
-WIRE_CHECKS = (
-    ("answered_200", "HTTP 200 with text/event-stream"),
-    ("order_ok", "chunks in the order [role], token..., finish, [usage], [DONE]"),
-    ("done_sent", "ends with data: [DONE]"),
-    ("usage_sent", "usage in the stream"),
-    ("text_matches", "text identical to the same request answered whole"),
-    ("finish_matches", "finish reason identical to the whole answer"),
-    ("usage_matches", "usage identical to the whole answer"),
-    ("no_error", "no error chunk, nothing cut off"),
-)
-WIRE_UNAVAILABLE = (
-    ("request id header against the start event", "labkit's /v1/stream has a start event; OpenAI streams do not"),
-    ("last event id against the event count", "OpenAI streams carry no event ids"),
-    ("token ids identical to the whole answer", "OpenAI chunks carry text, not token ids"),
-)
-
-
-def run_wire(target: Target, config: WireConfig, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
-    doing(progress, f"{config.prompts} prompts, each streamed and answered whole")
-    rows = run_sync(_wire(target, config, progress))
-    streams = pd.DataFrame(rows)
-    total = len(streams)
-    checks = pd.DataFrame(
-        [{"check": text, "passed": int(streams[col].sum()), "streams": total} for col, text in WIRE_CHECKS]
-    )
-    return {
-        "streams": streams,
-        "checks": checks,
-        "sizes": size_table(streams),
-        "unavailable": _unavailable(WIRE_UNAVAILABLE),
-    }
-
-
-def size_table(streams: pd.DataFrame) -> pd.DataFrame:
-    """Bytes per token over the streams that ran to max_tokens (others spread fixed bytes over fewer)."""
-    full = streams[streams.finish_reason == "length"]
-    return pd.DataFrame(
-        [
-            {
-                "streams_to_max_tokens": len(full),
-                "tokens_per_stream": full.tokens.median(),
-                "chunks_per_stream": full.chunks.median(),
-                "bytes_per_token_median": full.bytes_per_token.median(),
-                "bytes_per_token_min": full.bytes_per_token.min(),
-                "bytes_per_token_max": full.bytes_per_token.max(),
-                "ttft_median_ms": 1e3 * streams.ttft_s.median(),
-            }
-        ]
-    )
-
-
-async def _wire(target: Target, config: WireConfig, progress: Progress | None) -> list[dict[str, Any]]:
-    gate = asyncio.Semaphore(config.concurrency)
-    async with target.client(2 * config.concurrency) as client:
-
-        async def one(i: int) -> dict[str, Any]:
-            prompt = PROMPTS[i % len(PROMPTS)]
-            async with gate:
-                streamed, whole = await asyncio.gather(
-                    timed_stream(client, target.body(prompt, config.max_tokens), path=target.path),
-                    _whole(client, target.path, target.body(prompt, config.max_tokens, stream=False)),
-                )
-            tick(progress)
-            return wire_row(i, read(streamed), whole)
-
-        return list(await asyncio.gather(*(one(i) for i in range(config.prompts))))
-
-
-async def _whole(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The non-streamed answer's JSON, or {} (every comparison with it then fails, visibly)."""
-    try:
-        response = await client.post(path, json=body)
-        return response.json() if response.status_code == 200 else {}
-    except (httpx.HTTPError, ValueError):
-        return {}
-
-
-def wire_row(index: int, stream: Reading, whole: dict[str, Any]) -> dict[str, Any]:
-    """One stream against the same request answered whole: the checks of :data:`WIRE_CHECKS`."""
-    choice = (whole.get("choices") or [{}])[0]
-    whole_text = choice.get("text", (choice.get("message") or {}).get("content"))
-    result = stream.result
-    return {
-        "prompt": index,
-        "status": result.status,
-        "content_type": result.content_type,
-        "answered_200": result.status == 200 and result.content_type.startswith("text/event-stream"),
-        "order_ok": re.fullmatch(r"r?t*fu?d?", chunk_order(stream)) is not None,
-        "done_sent": stream.done,
-        "usage_sent": stream.usage is not None,
-        "text_matches": stream.text == whole_text,
-        "finish_matches": stream.finish_reason == choice.get("finish_reason"),
-        "usage_matches": stream.usage is not None and stream.usage == whole.get("usage"),
-        "no_error": stream.ok and result.unfinished_bytes == 0,
-        "tokens": stream.tokens,
-        "chunks": stream.chunks,
-        "finish_reason": stream.finish_reason,
-        "bytes": result.total_bytes,
-        "bytes_per_token": result.total_bytes / stream.tokens if stream.tokens else float("nan"),
-        "ttft_s": stream.ttft,
-        "duration_s": stream.duration,
-        "error": stream.error,
-    }
-
-
-def chunk_order(stream: Reading) -> str:
-    """The stream's chunks as letters: r(ole), t(oken), f(inish), u(sage), d(one), e(rror)."""
-    letters = []
-    for event in stream.result.events:
-        data, choices = event.data, event.data.get("choices") or []
-        if data.get("raw") == "[DONE]":
-            letters.append("d")
-        elif "error" in data:
-            letters.append("e")
-        elif any(c.get("finish_reason") is not None for c in choices):
-            letters.append("f")
-        elif not choices:
-            letters.append("u" if data.get("usage") else "e")
-        else:
-            delta = choices[0].get("delta") or {}
-            letters.append("r" if "role" in delta and not delta.get("content") else "t")
-    return "".join(letters)
 
 
 # --------------------------------------------------------------------------- overlap
@@ -293,7 +143,6 @@ def _unavailable(rows: tuple[tuple[str, str], ...]) -> pd.DataFrame:
 
 #: experiment name -> (config class, run function) for ``labkit run NAME --target URL``.
 RUNS: dict[str, tuple[Any, Callable[..., dict[str, pd.DataFrame]]]] = {
-    "wire": (WireConfig, run_wire),
     "overlap": (OverlapConfig, run_overlap),
     "disconnect": (DisconnectConfig, run_disconnect),
     "slowclient": (SlowConfig, run_slow),

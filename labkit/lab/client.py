@@ -74,20 +74,24 @@ async def read(
     result: Stream | None = None,
     raw: bool = False,
     leave: asyncio.Event | None = None,
+    hold: asyncio.Event | None = None,
 ) -> Stream:
     """Send ``request`` to ``url`` and read the answer as ``options`` say; never raises for I/O.
 
     ``raw`` (or options only the raw reader honours, or a ``leave`` event to set) reads over a
-    socket of its own. Pass your own ``result`` to watch it fill while the stream runs.
+    socket of its own. Pass your own ``result`` to watch it fill while the stream runs (the raw
+    reader's socket is ``result.socket`` while it is open). With a ``hold`` event the raw reader
+    sends the request and reads nothing until the event is set: a reader that stops, then resumes.
     """
     options = options or ReadOptions()
     result = result if result is not None else Stream(api=request.api)
     result.api, result.sent = request.api, time.perf_counter()
-    raw = raw or leave is not None or not options.read or options.rcvbuf is not None
+    raw = raw or leave is not None or hold is not None or not options.read or options.rcvbuf is not None
+    raw = raw or options.keep_wire  # only the raw reader owns its socket and sees every byte
     try:
         async with contextlib.AsyncExitStack() as stack:
             if raw:
-                work = _raw(url, request, options, result, leave or asyncio.Event())
+                work = _raw(url, request, options, result, leave or asyncio.Event(), hold)
             else:
                 if client is None:
                     client = await stack.enter_async_context(async_client(url, 1, options.timeout))
@@ -239,7 +243,9 @@ def _refusal(result: Stream, stream: bool) -> str | None:
 # --------------------------------------------------------------------------- raw socket
 
 
-async def _raw(url: str, request: Request, options: ReadOptions, result: Stream, leave: asyncio.Event) -> None:
+async def _raw(
+    url: str, request: Request, options: ReadOptions, result: Stream, leave: asyncio.Event, hold: asyncio.Event | None
+) -> None:
     parts = urlsplit(url)
     if parts.scheme != "http":
         raise OSError(f"the raw reader speaks plain http only, not {parts.scheme}")
@@ -252,9 +258,11 @@ async def _raw(url: str, request: Request, options: ReadOptions, result: Stream,
         if options.rcvbuf is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, options.rcvbuf)
         await loop.sock_connect(sock, info[0][4])
-        result.sent = time.perf_counter()
+        result.sent, result.socket = time.perf_counter(), sock
         conn = h11.Connection(h11.CLIENT)
         await loop.sock_sendall(sock, _wire(conn, f"{host}:{port}", request))
+        if hold is not None:
+            await asyncio.wait_for(hold.wait(), max(0.0, result.sent + options.bound_s - time.perf_counter()))
         if options.read:
             await _read_raw(sock, conn, result, options, leave)
         else:
@@ -266,6 +274,7 @@ async def _raw(url: str, request: Request, options: ReadOptions, result: Stream,
                 result.error = f"no end within the {options.timeout:g} s bound of one request"
             await _leave(result, options, sock, lambda: loop.sock_recv(sock, 65536))
     finally:
+        result.socket = None
         sock.close()
 
 
@@ -298,6 +307,8 @@ async def _read_raw(
                     await recv
                 return
             data = recv.result()
+            if options.keep_wire:
+                result.wire += data
             conn.receive_data(data)
             try:
                 complete = _raw_events(conn, result, splitter, kept, options)

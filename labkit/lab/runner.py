@@ -68,6 +68,10 @@ class Result:
         )
 
     def table(self, name: str = "rows") -> pd.DataFrame:
+        """A table by name; where the target could not witness what it derives from, the
+        "not measurable" rows saying why (so a notebook's table cell runs against any target)."""
+        if name not in self.tables and "not_measurable" in self.tables:
+            return self.tables["not_measurable"]
         return self.tables[name]
 
     def verdict_table(self) -> pd.DataFrame:
