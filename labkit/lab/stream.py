@@ -38,7 +38,9 @@ class ReadOptions:
     ``timeout``, ends the read and the client leaves by ``leave_by``. After a FIN it reads on,
     uncounted, for at most ``drain_after_fin_s`` so the close stays a FIN. The raw reader alone
     honours ``read_bytes`` (the most one read takes), ``read=False`` (never read a byte) and
-    ``rcvbuf`` (``SO_RCVBUF`` before connecting, which stops Linux from growing it).
+    ``rcvbuf`` (``SO_RCVBUF`` before connecting, which stops Linux from growing it). ``gzip``
+    accepts a compressed answer, as a browser does, and reads it decoded (a proxy that
+    compresses); the caps then count decoded bytes, so a gzip bomb stays bounded.
     """
 
     pace: float = 0.0
@@ -52,6 +54,7 @@ class ReadOptions:
     rcvbuf: int | None = None
     max_bytes: int = 64 * MiB
     max_events: int = 200_000
+    gzip: bool = False
 
     def __post_init__(self) -> None:
         if self.leave_by not in ("fin", "rst"):
