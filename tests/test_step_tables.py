@@ -1,9 +1,8 @@
 """Every experiment that serves labkit returns the engine's step log of its run (``steps``).
 
 Issue 9: ``make lab``'s results.json had a step-time spread only for the experiments that
-returned a ``steps`` table (isolation, overlap, buffers, ...); wire, watch, extensions,
-production, drain and peers (for its labkit server) returned none, so their runs had no step
-clock beside their seconds. Each now reads ``GET /lab/steps`` at the end of its run.
+returned a ``steps`` table (isolation, overlap, buffers, ...); wire, extensions and peers (for
+its labkit server) returned none, so their runs had no step clock beside their seconds. Each now reads ``GET /lab/steps`` at the end of its run.
 """
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from labkit.experiments import drain, extensions, peers, production, watch, wire
+from labkit.experiments import extensions, peers, wire
 from labkit.experiments.profiles import Profile
 from labkit.experiments.readings import step_spread, step_table
 from labkit.experiments.target_disconnect import DisconnectConfig
@@ -36,29 +35,11 @@ def test_wire_returns_its_steps(server: Any) -> None:
     assert_a_step_log(tables, at_least=8)  # two streams of 8 tokens each, after the raw capture
 
 
-def test_watch_returns_its_steps(server: Any) -> None:
-    config = watch.Config(max_batch=2, waves=1, per_wave=3, wave_gap_s=0.1, tokens=10, scrape_every=0.1)
-    assert_a_step_log(watch.run(config, server=server), at_least=10)  # its own server, on the loaded model
-
-
 @pytest.mark.slow
 def test_extensions_return_the_steps_of_their_service(tiny_gpt2: Any) -> None:
     config = extensions.Config.for_profile(Profile("ci"))
     config = extensions.Config(**{**config.__dict__, "delivery_repetitions": 1, "saturation_repetitions": 1})
     assert_a_step_log(extensions.run(config), at_least=10)
-
-
-@pytest.mark.slow
-def test_production_returns_the_steps_of_its_burst_server() -> None:
-    config = production.Config(tokens=16, repetitions=1, blocker_tokens=10, keepalive_repetitions=1,
-                               conditions=(production.DIRECT,))
-    assert_a_step_log(production.run(config), at_least=16)
-
-
-@pytest.mark.slow
-def test_drain_returns_the_steps_of_its_load() -> None:
-    config = drain.Config(model="tiny-gpt2", streams=2, tokens=200, drain_grace=2.0)
-    assert_a_step_log(drain.run(config))
 
 
 @pytest.mark.slow
