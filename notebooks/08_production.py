@@ -56,18 +56,20 @@ target
 # `X-Accel-Buffering: no` honoured or ignored (`proxy_ignore_headers`), gzip on or off for
 # `text/event-stream`, and one location that speaks HTTP/1.1 (chunked) to the upstream instead of
 # nginx's default HTTP/1.0. The same request goes through every location at once, and once
-# straight to the target: that direct stream is the clock. A proxied token's *lag* is how many
-# more tokens the direct stream had received when it arrived, so a hold-back is counted in
-# tokens, the same on a fast engine and a slow one, on a quiet machine and a busy one.
+# straight to the target, as a reference. A token's *lag* through one setting is how many more
+# tokens had arrived through the fastest setting by then (less the setting's start offset, a step
+# or two if its request was admitted later): a hold-back counted in tokens, not in seconds, and
+# measured against the other settings, so a stall of nginx or of this client, which delays every
+# setting alike, does not count as one.
 #
 # Hypotheses, with what would falsify each, fixed before measuring:
 #
 # * **every stream whole through nginx**: every proxied stream ends with its own end, as long as
 #   the direct one. Falsified by any failed, cut or shorter stream.
 # * **nginx holds events back only where it buffers**: with `proxy_buffering on`, the header
-#   ignored and an unchunked upstream (with or without gzip), events lag the direct stream by at
-#   least the `held_lag` of the scale table (median over the stream); every other setting passes
-#   each event on at once, below it. Falsified by any run of any setting on the wrong side.
+#   ignored and an unchunked upstream (with or without gzip), events lag by at least the
+#   `held_lag` of the scale table (the median over the stream); every other setting passes each
+#   event on at once, below it. Falsified by any run of any setting on the wrong side.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -99,12 +101,13 @@ print(proxy.checked())
 proxy.plot();
 
 # %% [markdown]
-# Where the grey ticks (the direct stream) and the blue ticks (through nginx) coincide, the proxy
-# passes each event on; where the blue ticks bunch at a few moments, it holds them until a buffer
-# fills or the stream ends. A buffered stream is whole, but a user sees it in lumps or all at the
-# end. The service's `X-Accel-Buffering: no` is what turns buffering off for it, so a proxy that
-# ignores the header undoes it; gzip only matters where the proxy already buffers; and an upstream
-# that answers chunked is forwarded chunk by chunk even with buffering on.
+# Where the grey ticks (the stream read directly) and the blue ticks (through nginx) coincide,
+# the proxy passes each event on; where the blue ticks bunch at a few moments, it holds them until
+# a buffer fills or the stream ends. A held stream is whole, but a user sees it in lumps or all at
+# the end. Where the verdict holds, the service's `X-Accel-Buffering: no` is what keeps a
+# buffering nginx from holding the stream, so a proxy that ignores the header undoes it; gzip
+# matters only where the proxy already buffers; and a chunked upstream is passed on chunk by chunk
+# even with buffering on.
 
 # %% [markdown]
 # ## 2. Keep-alive through `proxy_read_timeout`
@@ -167,6 +170,10 @@ print(keepalive.checked())
 # %%
 # NBVAL_IGNORE_OUTPUT
 browser = run(production.BROWSER, target)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+browser.scale()
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -304,15 +311,20 @@ gate.verdict_table()
 print(gate.checked())
 
 # %% [markdown]
-# Then goodput. Each run offers a fixed number of requests as Poisson arrivals at a multiple of
-# the service rate (the scale table), each with a deadline of a few solo latencies; the client
-# leaves at its deadline. Both servers get the same arrival times in each repetition, one after
-# the other, load by load. Offered load and goodput (requests that met their deadline per second
-# of arrivals) are both in units of the service rate, so they read the same on any engine.
+# Then goodput, above the service rate, where a gate can matter. Each repetition offers a fixed
+# number of requests as Poisson arrivals at one of the loads of the scale table (taken in turn),
+# each request with a deadline of a few solo latencies; its client leaves at the deadline. Both
+# servers get the same arrival times in a repetition, one after the other. Before its run, the
+# server with the gate serves one request alone, long enough to fill the window of steps the gate
+# predicts from: otherwise it would predict from the previous run's last steps, and a gate that
+# refuses everything runs no step to learn from. Offered load and goodput (requests that met their
+# deadline per second of arrivals) are both in units of the service rate, so they read the same on
+# any engine; the offered load on the figure is the one each run actually offered.
 #
-# * **the gate raises goodput at the top load** (a timing, not checked by CI): the paired ratio of
-#   goodput with the gate over without it, repetition by repetition, has a 95% interval above 1.
-#   Falsified if the interval lies below 1; unclear if it straddles 1.
+# * **the gate raises goodput above the service rate** (a timing, not checked by CI): the ratio
+#   of goodput with the gate over without it, pair by pair, has a confidence interval above 1. Falsified
+#   if the interval lies below 1; unclear if it straddles 1 (the verdict then says how many
+#   repetitions would decide it).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -322,9 +334,17 @@ goodput = run(production.GOODPUT, target)
 # NBVAL_IGNORE_OUTPUT
 goodput.scale()
 
+# %% [markdown]
+# Every run (one row each: what it offered, what met its deadline, missed it or was refused), then
+# each repetition's pair on the same arrivals, with the ratio the verdict reads.
+
 # %%
 # NBVAL_IGNORE_OUTPUT
-goodput.table("goodput")
+goodput.table("rows")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+goodput.table("pairs")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -335,10 +355,12 @@ goodput.verdict_table()
 goodput.plot();
 
 # %% [markdown]
-# Each point is one run at the load it actually offered, so the spread of the runs is in view.
-# Above the service rate, requests without the gate queue, wait past their deadlines and take
-# steps from requests that could still make theirs; the gate refuses them before they cost
-# anything, at the price of its own mistakes, which the probes above bound only at the extremes.
+# Each point is one run at the load it actually offered, and a grey line joins the two runs of one
+# repetition, so the spread between runs is in view beside the difference the gate makes. Without
+# the gate, a request that waits in the queue past its deadline is left by its client, after it
+# may already have taken steps; with it, a request predicted to miss is refused before it costs a
+# step, and a wrong prediction refuses one that would have made it. Which of the two weighs more
+# here is what the verdict's interval says, and how sure.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
