@@ -81,3 +81,10 @@ def test_a_measurement_that_cannot_be_made_says_why_in_its_first_line_and_its_ta
     assert first.endswith("because nginx is not installed here (apt-get install nginx)")
     assert list(result.table("anything").because) == ["nginx is not installed here (apt-get install nginx)"]
     assert result.checked() == "" and result.plot(save=False) == []
+
+
+def test_an_unclear_verdict_with_an_unbounded_end_still_says_how_many_repetitions_would_decide() -> None:
+    from labkit.lab import Interval, tell
+
+    decided, evidence = tell(Interval(2.0, 1.0, float("inf"), 6), 1.0, "above")
+    assert decided is None and "about 12 repetitions would decide it" in evidence

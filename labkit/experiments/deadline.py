@@ -95,7 +95,8 @@ def gate_verdicts(t: dict[str, pd.DataFrame], s: Any) -> list:
 
 GATE = Experiment(
     name="production.gate", title="The deadline gate on requests that certainly miss, and on ones with room to spare",
-    sizes={p: {"max_batch": b, "tokens": n, "ample_factor": 10.0, "repetitions": 3} for p, b, n in (("full", 8, 16), ("ci", 4, 48))},
+    sizes={p: {"max_batch": b, "tokens": n, "ample_factor": 10.0, "repetitions": 3}
+           for p, b, n in (("full", 8, 16), ("ci", 4, 48))},
     conditions=lambda s, target: [{"probe": "certain miss", "gate": True}, {"probe": "certain miss", "gate": False},
                                   {"probe": "ample room", "gate": True}],
     server=gate_server, prepare=calibrate, measure=measure_gate, verdicts=gate_verdicts, needs=("settings",),
@@ -145,8 +146,8 @@ def goodput_tables(t: dict[str, pd.DataFrame], s: Any) -> dict[str, pd.DataFrame
 def goodput_verdicts(t: dict[str, pd.DataFrame], s: Any) -> list:
     ratios = t["pairs"].ratio
     decided, evidence = tell(interval(ratios.to_numpy()), 1.0, "above")
-    return [judge("the gate raises goodput above the service rate", f"offered {min(s.loads):g} to {max(s.loads):g} times the "
-                  "service rate, more requests meet their deadline per second with the gate than without",
+    return [judge("the gate raises goodput above the service rate", f"offered {min(s.loads):g} to {max(s.loads):g} "
+                  "times the service rate, more requests meet their deadline per second with the gate than without",
                   "the 95% interval of the paired ratio (gate on over off) lies below 1", decided,
                   f"ratio {evidence}; per pair {', '.join(f'{r:.2f}' for r in ratios)}")]  # fmt: skip
 

@@ -1,12 +1,11 @@
 """Notebook 08, SSE in production: a proxy in front, a browser as the client, a drain, what to watch.
 
-:data:`PROXY` reads one request through nginx in eight settings at once (and directly beside them):
-a token's *lag* through one setting is how many more tokens had arrived through the fastest setting
-by then, less the setting's start offset: a hold-back counted in tokens, which a stall of nginx or of
-the client, delaying every setting alike, does not lengthen. :data:`KEEPALIVE` queues a stream behind others so it is quiet through nginx's
-``proxy_read_timeout``, pings on and off. :data:`BROWSER` drives headless Chromium on labkit's demo
-page. :data:`DRAIN` sends SIGTERM to a ``labkit serve`` process, probes, restarts and resumes.
-:data:`WATCH` scrapes ``/metrics`` during waves. The deadline gate's two: :mod:`.deadline`.
+:data:`PROXY` reads one request through nginx in eight settings at once (and directly, for the figure): a
+token's *lag* through one setting is how many more tokens had come through the fastest setting by then,
+less its start offset, so a hold-back is counted in tokens and a stall of nginx or of the client, which
+delays every setting alike, adds none. :data:`KEEPALIVE` queues a stream behind others so nginx's
+``proxy_read_timeout`` sees it quiet; :data:`BROWSER` drives headless Chromium on labkit's demo page;
+:data:`DRAIN` sends SIGTERM to a ``labkit serve`` process; :data:`WATCH` scrapes ``/metrics`` in waves.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import signal
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -39,19 +37,12 @@ from labkit.prompts import PROMPTS
 Row = dict[str, Any]
 Tables = dict[str, pd.DataFrame]
 #: route: proxy_buffering, X-Accel-Buffering honoured, gzip, HTTP version to the upstream (nginx 1.22: 1.0)
-ROUTES = {"buffering-on": (1, 1, 0, "1.0"), "buffering-on-accel-ignored": (1, 0, 0, "1.0"), "buffering-off": (0, 1, 0, "1.0"),
-          "buffering-off-accel-ignored": (0, 0, 0, "1.0"), "gzip-buffering-on": (1, 1, 1, "1.0"),
-          "gzip-buffering-on-accel-ignored": (1, 0, 1, "1.0"), "gzip-buffering-off-accel-ignored": (0, 0, 1, "1.0"),
+ROUTES = {"buffering-on": (1, 1, 0, "1.0"), "buffering-on-accel-ignored": (1, 0, 0, "1.0"),
+          "buffering-off": (0, 1, 0, "1.0"), "buffering-off-accel-ignored": (0, 0, 0, "1.0"),
+          "gzip-buffering-on": (1, 1, 1, "1.0"), "gzip-buffering-on-accel-ignored": (1, 0, 1, "1.0"),
+          "gzip-buffering-off-accel-ignored": (0, 0, 1, "1.0"),
           "buffering-on-accel-ignored-http11": (1, 0, 0, "1.1")}  # fmt: skip
 HELD = ("buffering-on-accel-ignored", "gzip-buffering-on-accel-ignored")  # buffered, header ignored, unchunked
-
-
-class Started(dict[str, Any]):
-    """What a measurement's ``prepare`` started or measured once; the runner's ``close`` stops it."""
-
-    def close(self) -> None:
-        for value in self.values():
-            getattr(value, "close", lambda: None)()
 
 
 def location(name: str, upstream: str, buffering: int = 0, accel: int = 1, gzip: int = 0, http: str = "1.0",
@@ -65,20 +56,23 @@ def location(name: str, upstream: str, buffering: int = 0, accel: int = 1, gzip:
 
 
 class Nginx:
-    """nginx (Debian's) on 127.0.0.1 with a generated config, in the foreground as one process with
-    every file it writes in a temporary folder, so :meth:`close` stops all that was started."""
+    """nginx (Debian's) on 127.0.0.1, generated config, one foreground process with every file it writes
+    in a temporary folder: :meth:`close` (the runner's, at the end) stops all that was started."""
 
-    def __init__(self, what: str, locations: dict[str, str]) -> None:
+    def __init__(self, what: str, locations: dict[str, str], **notes: Any) -> None:
         exe = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
         if exe is None:
             raise NotMeasurable(what, "nginx is not installed here (apt-get install nginx)")
-        self.folder, self.port = Path(tempfile.mkdtemp(prefix="labkit-nginx-")), free_port()
-        temps = " ".join(f"{k}_temp_path {self.folder / k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))  # fmt: skip
-        conf = self.folder / "nginx.conf"
+        self.folder, self.port, self.notes = Path(tempfile.mkdtemp(prefix="labkit-nginx-")), free_port(), notes
+        temps = " ".join(f"{k}_temp_path {self.folder / k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi"))
+        conf, log = self.folder / "nginx.conf", str(self.folder / "error.log")
         conf.write_text(f"daemon off; master_process off; pid {self.folder / 'nginx.pid'}; events {{ }}\nhttp {{ "
-                        f"access_log off; {temps}\nserver {{ listen 127.0.0.1:{self.port};\n" + "\n".join(locations.values()) + "\n} }")  # fmt: skip
-        self.process = subprocess.Popen([exe, "-p", str(self.folder), "-e", str(self.folder / "error.log"), "-c", str(conf)],
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
+                        f"access_log off; scgi_temp_path {self.folder / 'scgi'}; {temps}\nserver {{ listen "
+                        f"127.0.0.1:{self.port};\n" + "\n".join(locations.values()) + "\n} }")  # fmt: skip
+        command = [exe, "-p", str(self.folder), "-e", log, "-c", str(conf)]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        )
         try:
             wait_for(self._accepting, timeout=10.0, what=f"nginx to accept on port {self.port}")
         except BaseException:
@@ -109,29 +103,30 @@ class Nginx:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+async def gather(*reads: Any) -> list[Any]:
+    return list(await asyncio.gather(*reads))
+
+
 # --------------------------------------------------------------------------- nginx in front
 
 
 def measure_proxy(trial: Trial) -> list[Row]:
-    target, s, proxy = trial.target, trial.sizes, trial.state["nginx"]
+    target, s, nginx = trial.target, trial.sizes, trial.state
     request, options = target.request(PROMPTS[0], s.tokens), ReadOptions(timeout=s.timeout)
-    reads = [read(proxy.base(r), request, ReadOptions(gzip=bool(v[2]), timeout=s.timeout)) for r, v in ROUTES.items()]
+    reads = [read(nginx.base(r), request, ReadOptions(gzip=bool(v[2]), timeout=s.timeout)) for r, v in ROUTES.items()]
     direct, *proxied = run_sync(gather(target.stream(request, options), *reads))
-    n = min(len(st.token_times) for st in proxied)  # the clock: each token's first arrival through any route
+    n = min(len(st.token_times) for st in proxied)  # the clock: each token's first arrival through any setting
     rows, clock = [], np.min([st.token_times[:n] for st in proxied], axis=0) if n else np.zeros(0)
     for route, st in zip(ROUTES, proxied):
         ahead = [int(np.searchsorted(clock, t, side="right")) - i - 1 for i, t in enumerate(st.token_times[:n])] or [-1]
         lags = [a - min(ahead) for a in ahead]  # less the route's start offset (admitted a few steps later)
+        burst = max(Counter(st.token_times).values(), default=0)  # tokens that arrived in one read
         rows.append({"route": route, "whole": st.ok and direct.ok and st.tokens == direct.tokens == s.tokens,
                      "encoding": st.headers.get("content-encoding", "identity"), "median_lag": float(np.median(lags)),
-                     "max_lag": max(lags), "largest_burst": max(Counter(st.token_times).values(), default=0)})  # fmt: skip
+                     "max_lag": max(lags), "largest_burst": burst})  # fmt: skip
         trial.keep("arrivals", [{"route": route, "token": i, "proxied_s": t - st.sent, "direct_s": d - direct.sent}
                                 for i, (t, d) in enumerate(zip(st.token_times, direct.token_times))])  # fmt: skip
     return rows
-
-
-async def gather(*reads: Any) -> list[Any]:
-    return list(await asyncio.gather(*reads))
 
 
 def proxy_tables(t: Tables, s: Any) -> Tables:
@@ -146,16 +141,13 @@ def proxy_tables(t: Tables, s: Any) -> Tables:
 def proxy_verdicts(t: Tables, s: Any) -> list:
     rows = t["rows"]
     lags = "; ".join(f"{r}: {span(g.median_lag, '{:.0f}')}" for r, g in rows.groupby("route", sort=False))
-    return [
-        judge("every stream whole through nginx", "every proxied stream ends whole, as long as the direct one",
-              "any stream failed, was cut or differs in length", bool(rows.whole.all()),
-              f"{int((~rows.whole).sum())} of {len(rows)} not whole", checked=True),
-        judge("nginx holds events back only where it buffers", f"events lag the fastest setting by {s.held_lag} tokens "
-              "or more (median) exactly with proxy_buffering on and X-Accel-Buffering ignored on an unchunked "
-              "upstream, gzip or not; every other setting passes each event on at once", "any run of another setting "
-              "held events back, or one of these passed them on", bool((rows.held == rows.route.isin(HELD)).all()),
-              f"median lag in tokens: {lags}", checked=True),
-    ]  # fmt: skip
+    return [judge("every stream whole through nginx", "every proxied stream ends whole, as long as the direct one",
+                  "any failed, cut or shorter", bool(rows.whole.all()), f"{int((~rows.whole).sum())} of {len(rows)} "
+                  "not whole", checked=True),
+            judge("nginx holds events back only where it buffers", f"a median lag of {s.held_lag} tokens or more "
+                  "exactly with buffering on, the header ignored and an unchunked upstream", "a run of any setting on "
+                  "the wrong side", bool((rows.held == rows.route.isin(HELD)).all()), f"median lags: {lags}",
+                  checked=True)]  # fmt: skip
 
 
 def proxy_plots(t: Tables, s: Any) -> list:
@@ -168,15 +160,15 @@ def proxy_plots(t: Tables, s: Any) -> list:
         ax.plot(g.proxied_s, [row - 0.15] * len(g), "|", color="C0", markersize=7)
     ax.set_yticks(range(a.route.nunique()), list(dict.fromkeys(a.route)))
     ax.invert_yaxis()
-    ax.set(xlabel="seconds since sent (grey: the direct stream's tokens; blue: through nginx)",
-           title="When each token arrived through nginx, beside the same stream read directly")  # fmt: skip
+    ax.set(xlabel="seconds since sent (grey: the same stream read directly; blue: through nginx)",
+           title="When each token arrived through nginx")  # fmt: skip
     return [fig]
 
 
 PROXY = Experiment(
     name="production.proxy", title="nginx in front: when each event reaches the client, per proxy setting",
     sizes={p: {"tokens": n, "held_lag": 8, "repetitions": 3, "timeout": 120.0} for p, n in (("full", 64), ("ci", 256))},
-    prepare=lambda target, s: Started(nginx=Nginx("production.proxy", {r: location(r, target.url, *v) for r, v in ROUTES.items()})),
+    prepare=lambda target, s: Nginx("production.proxy", {r: location(r, target.url, *v) for r, v in ROUTES.items()}),
     measure=measure_proxy, tables=proxy_tables, verdicts=proxy_verdicts, plots=proxy_plots,
 )  # fmt: skip
 
@@ -188,17 +180,17 @@ def pings_server(s: Any, c: Row) -> Row:
     return {"max_batch": 1, "keepalive_interval": s.ping_interval_s if c["pings"] == "on" else 3600.0}
 
 
-def prepare_keepalive(target: Any, s: Any) -> Started:
+def prepare_keepalive(target: Any, s: Any) -> Nginx:
     """nginx with a short read timeout before each server, and how many blockers queued ahead keep a
     stream quiet for ``quiet_factor`` read timeouts (from one blocker timed here, the faster of two)."""
     servers = {p: target.variant(**pings_server(s, {"pings": p})) for p in ("on", "off")}
-    proxy = Nginx("production.keepalive", {p: location(p, t.url, read_timeout_s=s.read_timeout_s) for p, t in servers.items()})  # fmt: skip
-    took = [servers["on"].read(servers["on"].request(PROMPTS[1], s.blocker_tokens)).duration for _ in range(2)]
-    return Started(nginx=proxy, blockers=int(np.ceil(s.quiet_factor * s.read_timeout_s / min(took))))
+    took = min(servers["on"].read(servers["on"].request(PROMPTS[1], s.blocker_tokens)).duration for _ in range(2))
+    return Nginx("production.keepalive", {p: location(p, t.url, read_timeout_s=s.read_timeout_s) for p, t in
+                 servers.items()}, blockers=int(np.ceil(s.quiet_factor * s.read_timeout_s / took)))  # fmt: skip
 
 
 def measure_keepalive(trial: Trial) -> Row:
-    target, s, n = trial.target, trial.sizes, trial.state["blockers"]
+    target, s, n = trial.target, trial.sizes, trial.state.notes["blockers"]
 
     async def quiet() -> Stream:
         blockers = [Stream(api=target.api) for _ in range(n)]
@@ -206,36 +198,33 @@ def measure_keepalive(trial: Trial) -> Row:
                  for b in blockers]  # fmt: skip
         try:
             await until(lambda: all(b.status or b.ended for b in blockers), timeout=s.timeout, what="the blockers")
-            base = trial.state["nginx"].base(trial.pings)
-            return await read(base, target.request(PROMPTS[2], 8), ReadOptions(timeout=s.timeout))
+            probe = target.request(PROMPTS[2], 8)
+            return await read(trial.state.base(trial.pings), probe, ReadOptions(timeout=s.timeout))
         finally:
             await cancel(tasks)
 
     probe = run_sync(quiet())
     target.wait_idle()
     return {"survived": probe.ok, "quiet_s": probe.ttft, "ended_s": probe.duration, "queued_ahead": n,
-            "read_timeout_s": s.read_timeout_s, "failure": probe.failure}  # fmt: skip
+            "failure": probe.failure}  # fmt: skip
 
 
 def keepalive_verdicts(t: Tables, s: Any) -> list:
     on, off = (t["rows"][t["rows"].pings == p] for p in ("on", "off"))
-    return [judge(
-        "pings keep a quiet stream through the proxy", "a stream quiet for longer than proxy_read_timeout survives "
-        "with the service's pings and is cut without them", "a stream with pings cut, one without surviving, or one "
-        "with pings not quiet for longer than the timeout", bool(len(on) and len(off) and on.survived.all() and not
-        off.survived.any() and (on.quiet_s > s.read_timeout_s).all()), f"pings on: {int(on.survived.sum())} of "
-        f"{len(on)} survived, quiet {span(on.quiet_s, '{:.1f}', ' s')}; off: {int(off.survived.sum())} of {len(off)}",
-        checked=True)]  # fmt: skip
+    return [judge("pings keep a quiet stream through the proxy", "quiet past proxy_read_timeout, a stream survives "
+                  "with pings and is cut without", "one on the wrong side, or one with pings not quiet that long",
+                  bool(len(on) and len(off) and on.survived.all() and not off.survived.any() and (on.quiet_s >
+                  s.read_timeout_s).all()), f"pings on: {int(on.survived.sum())} of {len(on)} survived, quiet "
+                  f"{span(on.quiet_s, '{:.1f}', ' s')}; off: {int(off.survived.sum())} of {len(off)}",
+                  checked=True)]  # fmt: skip
 
 
 KEEPALIVE = Experiment(
-    name="production.keepalive", title="A quiet stream through proxy_read_timeout, with the service's pings and without",
+    name="production.keepalive", title="A quiet stream through proxy_read_timeout, with pings and without",
     sizes={p: {"read_timeout_s": 1.0, "ping_interval_s": 0.25, "quiet_factor": 3.0, "blocker_tokens": n,
                "repetitions": 3, "timeout": 120.0} for p, n in (("full", 24), ("ci", 200))},
     conditions=lambda s, target: [{"pings": "on"}, {"pings": "off"}], server=pings_server, prepare=prepare_keepalive,
     measure=measure_keepalive, verdicts=keepalive_verdicts, needs=("settings",),
-    tables=lambda t, s: {"keepalive": t["rows"].groupby("pings").agg(runs=("survived", "size"), survived=("survived", "sum"),
-                                                                      quiet_s=("quiet_s", "median"), ended_s=("ended_s", "median"))},
 )  # fmt: skip
 
 
@@ -266,7 +255,8 @@ class Chromium:
 def measure_browser(trial: Trial) -> Row:
     s, driver, cut = trial.sizes, trial.state.driver, trial.cut_after
     query = {"prompt": PROMPTS[3], "max_new_tokens": s.tokens, "mode": "eventsource"}
-    driver.get(f"{trial.target.url}/lab/demo?{urlencode(query | ({'retry': trial.retry_ms, 'drop_after': cut} if cut else {}))}")  # fmt: skip
+    query |= {"retry": trial.retry_ms, "drop_after": cut} if cut else {}
+    driver.get(f"{trial.target.url}/lab/demo?{urlencode(query)}")
 
     def finished() -> Any:  # what the page recorded, once it is over
         page = json.loads(driver.execute_script("return JSON.stringify((window.labkitDemo || {}).eventsource || {});"))
@@ -277,11 +267,11 @@ def measure_browser(trial: Trial) -> Row:
     trial.keep("events", [{"id": str(e["id"]), "type": e["type"], "data": "" if e["type"] == "start" else e["data"]}
                           for e in events])  # fmt: skip
     opens, cuts = ([c["t"] for c in conns if c["kind"] == kind] for kind in ("open", "network-error"))
-    after = [e for e in events if len(opens) > 1 and e["t"] >= opens[1]]
-    ids = [int(e["id"]) for e in events if str(e["id"]).isdigit()]
+    after, ids = [e for e in events if len(opens) > 1 and e["t"] >= opens[1]], [str(e["id"]) for e in events]
+    once = ids == [str(i + 1) for i in range(len(ids))]
     return {"ended_by": page.get("ended_by") or page.get("failure"), "events": len(events), "connections": len(opens),
-            "reconnect_ms": opens[1] - cuts[0] if len(opens) > 1 and cuts else None,
-            "first_id_after": int(after[0]["id"]) if after else None, "ids_once_in_order": ids == [*range(1, len(ids) + 1)]}  # fmt: skip
+            "reconnect_ms": opens[1] - cuts[0] if len(opens) > 1 and cuts else None, "first_id_after":
+            int(after[0]["id"]) if after else None, "ids_once_in_order": once}  # fmt: skip
 
 
 def browser_tables(t: Tables, s: Any) -> Tables:
@@ -296,18 +286,17 @@ def browser_verdicts(t: Tables, s: Any) -> list:
     rows = t["rows"]
     cut, by = rows[rows.cut_after > 0], rows[rows.cut_after > 0].groupby("retry_ms").reconnect_ms
     resumed = bool(len(cut) and (cut.connections == 2).all() and (cut.first_id_after == cut.cut_after + 1).all()
-                   and rows.same_as_uninterrupted.all() and rows.ids_once_in_order.all() and (rows.ended_by == "done").all())  # fmt: skip
-    return [
-        judge("the browser resumes exactly", "cut mid-stream, EventSource reconnects by itself with Last-Event-ID and "
-              "ends with exactly the uninterrupted run's events", "a cut run without a second connection starting "
-              "right after the cut, or with other events, a repeat or a gap", resumed,
-              f"{int(cut.same_as_uninterrupted.sum())} of {len(cut)} cut runs equal the uninterrupted one; first ids "
-              f"after the reconnect: {sorted(set(cut.first_id_after.dropna().astype(int)))}", checked=True),
-        judge("retry: sets the reconnect delay", "the browser waits at least the server's retry: before reconnecting, "
-              "longer for a longer one", "a reconnect sooner than its retry:, or the delays of two values overlapping",
-              bool((cut.reconnect_ms >= cut.retry_ms).all() and (by.max().to_numpy()[:-1] < by.min().to_numpy()[1:]).all()),
-              "; ".join(f"retry {r} ms: {span(g, '{:.0f}', ' ms')}" for r, g in by)),
-    ]  # fmt: skip
+                   and rows.same_as_uninterrupted.all() and rows.ids_once_in_order.all()
+                   and (rows.ended_by == "done").all())  # fmt: skip
+    ordered = bool((cut.reconnect_ms >= cut.retry_ms).all() and (by.max().values[:-1] < by.min().values[1:]).all())
+    firsts = sorted(set(cut.first_id_after.dropna().astype(int)))
+    delays = "; ".join(f"retry {r} ms: {span(g, '{:.0f}', ' ms')}" for r, g in by)
+    return [judge("the browser resumes exactly", "cut, EventSource reconnects by itself with Last-Event-ID and ends "
+                  "with the uninterrupted run's events", "a cut run otherwise", resumed,
+                  f"{int(cut.same_as_uninterrupted.sum())} of {len(cut)} cut runs equal; first ids after: {firsts}",
+                  checked=True),
+            judge("retry: sets the reconnect delay", "at least the retry: value, longer for a longer one",
+                  "sooner, or overlapping", ordered, delays)]  # fmt: skip
 
 
 BROWSER = Experiment(
@@ -335,19 +324,18 @@ def drain_server(target: Any, s: Any) -> Process | None:
 
 def measure_drain(trial: Trial) -> Row:
     server: Any = trial.state or trial.target
-    s = trial.sizes
-    streams, probes, code, exited_s = run_sync(drain(server, s))
+    streams, probes, code, exited_s = run_sync(drain(server, trial.sizes))
     server.stop()
     server.start()  # the same command on the same port: a restart
     told = [st for st in streams if "x-resume-token" in st.headers]
-    resumes = [server.read(Request(f"/v1/streams/{st.request_id}/events?token={st.headers['x-resume-token']}", None,
-                                   method="GET", headers={"Last-Event-ID": st.last_event_id or "0"})) for st in told]  # fmt: skip
-    trial.keep("streams", [{"stream": i, "resumable": "x-resume-token" in st.headers, "tokens": st.tokens,
-                            "ended_by": "done" if st.ok else st.finish_reason if st.stream_error else "cut"}
+    trial.keep("resumes", [{"status": server.read(Request(f"/v1/streams/{st.request_id}/events?token="
+               f"{st.headers['x-resume-token']}", None, method="GET", headers={"Last-Event-ID": st.last_event_id
+               or "0"})).status} for st in told])  # fmt: skip
+    trial.keep("streams", [{"stream": i, "resumable": st in told, "tokens": st.tokens, "ended_by": "done" if st.ok
+                            else st.finish_reason if st.stream_error else "cut"}
                            for i, st in enumerate(streams)])  # fmt: skip
     trial.keep("probes", probes)
-    trial.keep("resumes", [{"status": r.status, "answer": r.error} for r in resumes])
-    return {"exit_code": code, "exited_s": exited_s, "drain_grace_s": s.drain_grace_s}
+    return {"exit_code": code, "exited_s": exited_s, "drain_grace_s": trial.sizes.drain_grace_s}
 
 
 async def drain(server: Any, s: Any) -> tuple[list[Stream], list[Row], int, float]:
@@ -357,7 +345,8 @@ async def drain(server: Any, s: Any) -> tuple[list[Stream], list[Row], int, floa
     await asyncio.to_thread(wait_for, lambda: server.stats()["running"], timeout=s.timeout, what="the holder running")
     streams = [Stream(api=server.api) for _ in range(s.streams)]
     tasks = [asyncio.ensure_future(server.stream(server.request(f"Stream {i} before the restart", s.tokens,
-             resumable=i % 2 == 1), ReadOptions(timeout=s.timeout), result=st)) for i, st in enumerate(streams)]  # fmt: skip
+             resumable=i % 2 == 1), ReadOptions(timeout=s.timeout), result=st))
+             for i, st in enumerate(streams)]  # fmt: skip
     await until(lambda: all(st.status for st in streams) and any(st.tokens >= 3 for st in streams),
                 timeout=s.timeout, what="every stream open and one decoding")  # fmt: skip
     proc, signalled = server.proc, time.perf_counter()
@@ -380,28 +369,25 @@ async def drain(server: Any, s: Any) -> tuple[list[Stream], list[Row], int, floa
 
 def drain_verdicts(t: Tables, s: Any) -> list:
     rows, streams, probes, resumes = t["rows"], t["streams"], t["probes"], t["resumes"]
-    answered, told = probes[probes.status != 0], streams[streams.resumable]
+    answered, told, ended = probes[probes.status != 0], streams[streams.resumable], ("done", "shutdown")
     refused = bool(len(answered) and (answered.status == 503).all() and answered.retry_after.notna().all()
-                   and answered.type.isin(["draining", "shutdown"]).all() and (answered.type == "draining").any())  # fmt: skip
-    return [
-        judge("drain ends every open stream", "on SIGTERM every open stream ends with its done or an error event of "
-              "type shutdown", "any stream cut without one, or ended otherwise", bool(len(streams) and
-              streams.ended_by.isin(["done", "shutdown"]).all()), f"of {len(streams)} streams: " + ", ".join(
-              f"{n} {k}" for k, n in streams.groupby("ended_by").size().items()), checked=True),
-        judge("drain refuses new work", "a request reaching the server in the drain gets 503 with Retry-After, type "
-              "draining (shutdown: admitted as the drain began, then ended by it)", "any other answer, or no "
-              "draining one", refused, ", ".join(f"{n} {k}" for k, n in probes.groupby("type").size().items()),
-              checked=True),
-        judge("exits within its drain grace", "the process exits 0 within drain_grace of the signal (and two seconds "
-              "for the interpreter's own exit)", "a non-zero exit, or a later one", bool((rows.exit_code == 0).all()
-              and (rows.exited_s <= rows.drain_grace_s + 2).all()), f"exit codes {sorted(set(rows.exit_code))} "
-              f"after {span(rows.exited_s, '{:.2f}', ' s')} (drain_grace {s.drain_grace_s:g} s)"),
-        judge("a restarted process answers the resume with 404", "a resumable stream's client is told why it ended, "
-              "and the restarted process, which never issued its id, answers its resume with 404", "a resumable "
-              "stream cut without its event, or a resume answered otherwise", bool(len(resumes) and (resumes.status
-              == 404).all() and told.ended_by.isin(["done", "shutdown"]).all()), f"{len(told)} resumable streams ended "
-              f"{sorted(set(told.ended_by))}; their resumes answered {sorted(set(resumes.status))}", checked=True),
-    ]  # fmt: skip
+                   and answered.type.isin(["draining", "shutdown"]).all()
+                   and (answered.type == "draining").any())  # fmt: skip
+    counts = ", ".join(f"{n} {k}" for k, n in probes.groupby("type").size().items())
+    return [judge("drain ends every open stream", "each with its done or an error event of type shutdown", "one cut "
+                  "or ended otherwise", bool(len(streams) and streams.ended_by.isin(ended).all()), f"of {len(streams)}:"
+                  f" " + ", ".join(f"{n} {k}" for k, n in streams.groupby("ended_by").size().items()), checked=True),
+            judge("drain refuses new work", "503 with Retry-After, type draining (or shutdown, if admitted as the "
+                  "drain began)", "any other answer, or no draining one", refused, counts, checked=True),
+            judge("exits within its drain grace", "exit 0 within drain_grace (and two seconds to exit)", "otherwise",
+                  bool((rows.exit_code == 0).all() and (rows.exited_s <= rows.drain_grace_s + 2).all()), f"exit "
+                  f"{sorted(set(rows.exit_code))} after {span(rows.exited_s, '{:.2f}', ' s')} "
+                  f"(grace {s.drain_grace_s:g} s)"),
+            judge("a restarted process answers the resume with 404", "a resumable stream is told why it ended; its "
+                  "resume after the restart gets 404", "otherwise", bool(len(resumes) and (resumes.status == 404).all()
+                  and told.ended_by.isin(ended).all()), f"{len(told)} resumable streams ended "
+                  f"{sorted(set(told.ended_by))}; resumes answered {sorted(set(resumes.status))}",
+                  checked=True)]  # fmt: skip
 
 
 DRAIN = Experiment(
@@ -416,54 +402,53 @@ DRAIN = Experiment(
 # --------------------------------------------------------------------------- what to watch
 
 GAUGES = {"labkit_open_streams": "open", "labkit_queue_depth": "queued", "labkit_running_requests": "running",
-          "labkit_kv_blocks_in_use": "kv_blocks", "labkit_time_to_first_token_seconds_count": "first_tokens"}  # fmt: skip
+          "labkit_kv_blocks_in_use": "kv_blocks",
+          "labkit_time_to_first_token_seconds_count": "first_tokens"}  # fmt: skip
 
 
 def measure_watch(trial: Trial) -> Row:
-    target, s = trial.target, trial.sizes
-    before, t0, scrapes, stop = target.metrics(), time.perf_counter(), [], threading.Event()
+    target, s, scrapes = trial.target, trial.sizes, []
+    before, t0 = target.metrics(), time.perf_counter()
     if not set(GAUGES) <= set(before):
         raise NotMeasurable("production.metrics", f"its /metrics lacks labkit's gauges ({', '.join(GAUGES)})")
 
     def scrape(mark: str = "") -> None:
-        m = {short: target.metrics()[name] for name, short in GAUGES.items()}
-        scrapes.append({"t_s": time.perf_counter() - t0, "mark": mark, **m,
-                        "first_tokens": m["first_tokens"] - before["labkit_time_to_first_token_seconds_count"]})  # fmt: skip
+        now = target.metrics()
+        m = {short: now[name] - (before[name] if short == "first_tokens" else 0) for name, short in GAUGES.items()}
+        scrapes.append({"t_s": time.perf_counter() - t0, "mark": mark, **m})
 
-    def every() -> None:
-        while not stop.wait(s.scrape_every_s):
-            scrape()
-
-    thread = threading.Thread(target=every, daemon=True)
-    thread.start()
-    try:
-        streams = run_sync(waves(target, s, scrape))
-        wait_for(lambda: target.metrics()["labkit_open_streams"] == 0, timeout=s.timeout, what="no open stream")
-    finally:
-        stop.set()
-        thread.join(10)
+    streams = run_sync(waves(target, s, scrape))
+    wait_for(lambda: target.metrics()["labkit_open_streams"] == 0, timeout=s.timeout, what="no open stream")
     scrape("after")
     trial.keep("scrapes", scrapes)
     return {"requests": len(streams), "done": sum(st.ok for st in streams)}
 
 
 async def waves(target: Any, s: Any, scrape: Any) -> list[Stream]:
-    """Wave after wave of ``per_wave`` streams: each is scraped once ``max_batch`` of its streams have
-    ``mark_tokens`` tokens (the batch full, the rest queued), and the next is sent once every stream of
-    this one has begun: moments counted in tokens, never in seconds."""
+    """Wave after wave of ``per_wave`` streams, ``/metrics`` scraped every ``scrape_every_s`` beside them;
+    a wave is also scraped once ``max_batch`` of its streams have ``mark_tokens`` tokens (the batch full,
+    the rest queued), and the next is sent once all of it has begun: moments counted in tokens."""
     streams: list[Stream] = []
+
+    async def every() -> None:
+        while True:
+            await asyncio.sleep(s.scrape_every_s)
+            await asyncio.to_thread(scrape)
+
+    timer = asyncio.ensure_future(every())
     async with async_client(target.url, s.waves * s.per_wave, s.timeout) as client:
         for w in range(s.waves):
             wave = [Stream(api=target.api) for _ in range(s.per_wave)]
             for i, st in enumerate(wave):
-                request = target.request(PROMPTS[(w * s.per_wave + i) % len(PROMPTS)], s.tokens)
-                asyncio.ensure_future(target.stream(request, client=client, result=st))
+                asyncio.ensure_future(target.stream(target.request(PROMPTS[(w * s.per_wave + i) % len(PROMPTS)],
+                                                                   s.tokens), client=client, result=st))  # fmt: skip
             await until(lambda w=wave: sum(st.tokens >= s.mark_tokens for st in w) >= s.max_batch,
                         timeout=s.timeout, what="a full batch")  # fmt: skip
             await asyncio.to_thread(scrape, f"wave {w + 1}")
             await until(lambda w=wave: all(st.tokens or st.ended for st in w), timeout=s.timeout, what="its turn")
             streams += wave
         await until(lambda: all(st.ended for st in streams), timeout=s.timeout, what="every stream's end")
+    await cancel([timer])
     return streams
 
 
@@ -474,26 +459,23 @@ def watch_verdicts(t: Tables, s: Any) -> list:
     left = after[["open", "queued", "kv_blocks"]].to_numpy().astype(int).tolist()
     settled = bool((after.first_tokens.to_numpy() == rows.requests.to_numpy()).all() and not np.any(left)
                    and (rows.done == rows.requests).all())  # fmt: skip
-    return [
-        judge("a queue shows while the batch is full", "a scrape as a wave fills the batch sees requests queued and "
-              "the batch at its fullest", "any such scrape without a queue or with the batch not full", len(full) ==
-              len(marked) > 0, f"{len(full)} of {len(marked)} wave scrapes (queued {span(marked.queued, '{:.0f}')}, "
-              f"running {span(marked.running, '{:.0f}')})", checked=True),
-        judge("the metrics account for every stream", "after the load the first-token count grew by the requests "
-              "sent, and nothing is open, queued or holding KV blocks", "any other count, or anything left", settled,
-              f"first tokens {list(after.first_tokens.astype(int))} for {list(rows.requests)} requests; open, "
-              f"queued, KV blocks after: {left}", checked=True),
-    ]  # fmt: skip
+    return [judge("a queue shows while the batch is full", "a scrape as a wave fills the batch sees a queue and the "
+                  "batch at its fullest", "any without", len(full) == len(marked) > 0, f"{len(full)} of {len(marked)} "
+                  f"(queued {span(marked.queued, '{:.0f}')}, running {span(marked.running, '{:.0f}')})", checked=True),
+            judge("the metrics account for every stream", "after the load, a first token counted per request, and "
+                  "nothing open, queued or holding KV blocks", "otherwise", settled, f"first tokens "
+                  f"{list(after.first_tokens.astype(int))} for {list(rows.requests)}; open, queued, KV blocks: {left}",
+                  checked=True)]  # fmt: skip
 
 
 def watch_plots(t: Tables, s: Any) -> list:
     from labkit.plots import new_figure
 
     sc = t["scrapes"][t["scrapes"].repetition == 0]
-    marked = sc[sc.mark.str.startswith("wave")]
     fig, (ax, kv) = new_figure("production_metrics", ncols=2)
     for name in ("open", "queued", "running"):
         ax.step(sc.t_s, sc[name], where="post", label=name)
+    marked = sc[sc.mark.str.startswith("wave")]
     ax.plot(marked.t_s, marked.queued, "ko", fillstyle="none", label="queued as a wave fills the batch")
     kv.step(sc.t_s, sc.kv_blocks, where="post", color="C4")
     ax.set(xlabel="seconds", ylabel="requests", title="/metrics during a load in waves")
@@ -504,10 +486,8 @@ def watch_plots(t: Tables, s: Any) -> list:
 
 WATCH = Experiment(
     name="production.metrics", title="/metrics scraped during a load in waves",
-    sizes={"full": {"max_batch": 8, "waves": 3, "per_wave": 16, "tokens": 24, "mark_tokens": 2, "scrape_every_s": 0.25,
-                    "repetitions": 1, "timeout": 120.0},
-           "ci": {"max_batch": 4, "waves": 3, "per_wave": 8, "tokens": 64, "mark_tokens": 2, "scrape_every_s": 0.1,
-                  "repetitions": 1, "timeout": 120.0}},
+    sizes={p: {"max_batch": b, "waves": 3, "per_wave": 2 * b, "tokens": n, "mark_tokens": 2, "scrape_every_s": e,
+               "repetitions": 1, "timeout": 120.0} for p, b, n, e in (("full", 8, 24, 0.25), ("ci", 4, 64, 0.1))},
     server=lambda s, c: {"max_batch": s.max_batch}, measure=measure_watch, verdicts=watch_verdicts, plots=watch_plots,
     needs=("metrics",),
 )  # fmt: skip
