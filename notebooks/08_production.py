@@ -133,7 +133,7 @@ keepalive.scale()
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-keepalive.table("keepalive")
+keepalive.table("rows")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
