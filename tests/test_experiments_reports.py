@@ -49,8 +49,6 @@ CASES: dict[str, tuple[str, Callable[[Tables], None]]] = {
     "leak": ("06_disconnect_and_leaks", _set("outcome", "held_blocks", 3)),
     "extensions": ("07_extensions", _set("identity", "identical", False,
                                          lambda t: t.comparison.str.startswith("sampled"))),
-    "production": ("08_production", _set("holdback", "holds_back", False,
-                                         lambda t: t.condition == "buffering-on-accel-ignored")),
 }
 ALARMS = ("NOT", "FAILED", "DIFFERENT", "UNEXPECTED", "differed", "!=")
 

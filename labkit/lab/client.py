@@ -9,7 +9,8 @@ linger and closes.
 
 Bounded against a hostile server: every request has an overall deadline (``timeout``; a trickle
 of one byte a second cannot reset it), every body a size cap, and compression is declined
-(``Accept-Encoding: identity``), so a small gzip bomb cannot become gigabytes here. Proxies from
+(``Accept-Encoding: identity``) unless ``ReadOptions.gzip`` asks for it, whose decoded bytes the
+caps then count, so a small gzip bomb cannot become gigabytes here. Proxies from
 the environment are not used: the lab measures a direct route.
 """
 
@@ -124,8 +125,11 @@ def async_client(url: str, connections: int = 64, timeout: float = 300.0) -> htt
 
 
 async def _httpx(client: httpx.AsyncClient, request: Request, options: ReadOptions, result: Stream) -> None:
+    result.sent = time.perf_counter()  # once the client is made: building one is not the server's time
     body = None if request.body is None else json.dumps(request.body).encode()
     headers = {**request.headers, **({"Content-Type": "application/json"} if body is not None else {})}
+    if options.gzip:
+        headers["Accept-Encoding"] = "gzip"
     async with client.stream(request.method, request.path, content=body, headers=headers) as response:
         _note_head(result, response.status_code, dict(response.headers), time.perf_counter())
         sock = _socket(response)
@@ -135,7 +139,7 @@ async def _httpx(client: httpx.AsyncClient, request: Request, options: ReadOptio
             return
         splitter = EventSplitter()
         deadline = None if options.leave_after_s is None else result.sent + options.leave_after_s
-        chunks = response.aiter_raw()
+        chunks = response.aiter_bytes() if options.gzip else response.aiter_raw()
         while not _should_leave(result, options):
             left = None if deadline is None else max(0.0, deadline - time.perf_counter())
             try:

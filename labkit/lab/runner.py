@@ -62,6 +62,8 @@ class Result:
         trials = len(self.tables.get("rows", ()))
         missing = self.tables.get("not_measurable")
         gaps = "" if missing is None or missing.empty else f"; {len(missing)} not measurable (see not_measurable)"
+        if missing is not None and not missing.empty and not trials:  # nothing measured: the one line that says why
+            gaps = f"; not measurable against this target, because {missing.because.iloc[0]}"
         return (
             f"{self.spec.name} on {self.target}: {trials} rows in {self.elapsed_s:.1f} s{gaps}\n"
             f"{provenance_line(self.env, self.machine)}"

@@ -40,7 +40,8 @@ class ReadOptions:
     honours ``read_bytes`` (the most one read takes), ``read=False`` (never read a byte) and
     ``rcvbuf`` (``SO_RCVBUF`` before connecting, which stops Linux from growing it) and
     ``keep_wire`` (keep every byte received, head and chunked framing, in ``Stream.wire``: what
-    ``curl --raw`` prints).
+    ``curl --raw`` prints). ``gzip`` accepts a compressed answer, as a browser does, and reads it
+    decoded (a proxy that compresses); the caps then count decoded bytes, so a bomb stays bounded.
     """
 
     pace: float = 0.0
@@ -55,6 +56,7 @@ class ReadOptions:
     keep_wire: bool = False
     max_bytes: int = 64 * MiB
     max_events: int = 200_000
+    gzip: bool = False
 
     def __post_init__(self) -> None:
         if self.leave_by not in ("fin", "rst"):
