@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import ast
 import copy
-import tomllib
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import tomllib
 
-from labkit.experiments import chapter, disconnect, extensions, leak, slowclient
+from labkit.experiments import chapter, extensions
 from labkit.experiments.chapter_figures import KEYS, NO_FIGURE, figures, load, parse
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,9 +68,6 @@ BESIDE = {
     "isolation": chapter.isolation_beside,
     "overlap": chapter.overlap_beside,
     "buffers": chapter.buffers_beside,
-    "slowclient": slowclient.beside_chapter,
-    "disconnect": disconnect.beside_chapter,
-    "leak": leak.beside_chapter,
     "extensions": extensions.beside_chapter,
 }
 
@@ -102,5 +99,3 @@ def test_no_module_or_notebook_types_a_chapter_figure(path):
     assert not typed, f"{path.name} types the chapter's {sorted(typed)}; read them from chapter.toml"
 
 
-def test_the_leak_test_runs_the_chapters_number_of_streams():
-    assert leak.Config().streams == int(figures()("leak", "streams"))

@@ -15,9 +15,6 @@ import pytest
 from labkit.experiments import drain, extensions, peers, production, watch, wire
 from labkit.experiments.profiles import Profile
 from labkit.experiments.readings import step_spread, step_table
-from labkit.experiments.target_disconnect import DisconnectConfig
-from labkit.experiments.target_runs import OverlapConfig
-from labkit.experiments.target_slow import SlowConfig
 
 COLUMNS = list(step_table([]).columns)  # step, started, seconds, decoded, prefilled: what the others return
 
@@ -59,22 +56,6 @@ def test_production_returns_the_steps_of_its_burst_server() -> None:
 def test_drain_returns_the_steps_of_its_load() -> None:
     config = drain.Config(model="tiny-gpt2", streams=2, tokens=200, drain_grace=2.0)
     assert_a_step_log(drain.run(config))
-
-
-@pytest.mark.slow
-def test_peers_return_labkits_steps(tmp_path) -> None:
-    config = peers.Config(
-        "tiny-llama",
-        OverlapConfig(levels=(1,), repetitions=3, max_tokens=4),
-        DisconnectConfig(streams=1, max_tokens=40, hold_s=0.3, window_s=0.3, follow_up_tokens=3, repetitions=1,
-                         leave_by=("fin",)),
-        SlowConfig(healthy=1, slow=(0, 1), max_tokens=8, repetitions=3),
-        threads=1,
-    )
-    with peers.serve(peers.LABKIT, config, tmp_path) as server:
-        tables = peers.run(config, server)
-    assert_a_step_log(tables, at_least=4)
-    assert set(tables["steps"].server) == {peers.LABKIT}
 
 
 def test_the_labkit_peer_is_started_with_the_lab_routes_that_serve_its_steps() -> None:

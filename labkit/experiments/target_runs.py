@@ -29,9 +29,6 @@ from labkit.experiments.client import percentiles, run_sync, timed_stream
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.target import Reading, Target, read
-from labkit.experiments.target_disconnect import DisconnectConfig, run_disconnect
-from labkit.experiments.target_leak import LeakConfig, run_leak
-from labkit.experiments.target_slow import SlowConfig, run_slow
 from labkit.prompts import PROMPTS
 
 __all__ = ["RUNS", "OverlapConfig", "WireConfig", "run_overlap", "run_wire"]
@@ -295,7 +292,4 @@ def _unavailable(rows: tuple[tuple[str, str], ...]) -> pd.DataFrame:
 RUNS: dict[str, tuple[Any, Callable[..., dict[str, pd.DataFrame]]]] = {
     "wire": (WireConfig, run_wire),
     "overlap": (OverlapConfig, run_overlap),
-    "disconnect": (DisconnectConfig, run_disconnect),
-    "slowclient": (SlowConfig, run_slow),
-    "leak": (LeakConfig, run_leak),
 }

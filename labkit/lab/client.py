@@ -119,6 +119,7 @@ async def _httpx(client: httpx.AsyncClient, request: Request, options: ReadOptio
                 break
             except asyncio.TimeoutError:
                 break
+            result.reads += 1
             if not _take(result, splitter, chunk, time.perf_counter(), options):
                 return
             if options.pace:
@@ -273,6 +274,7 @@ async def _read_raw(
                     await recv
                 return
             data = recv.result()
+            result.reads += bool(data)
             conn.receive_data(data)
             try:
                 complete = _raw_events(conn, result, splitter, kept, options)
