@@ -95,7 +95,8 @@ def trial_row(c: Stream, r: dict[str, Any] | None, log: pd.DataFrame) -> dict[st
     step = log.loc[at] if at in log.index else pd.Series({"seconds": np.nan, "started": np.nan})
     return {**row, "notice_ms": 1e3 * (r["closed"] - c.left_at), "release_ms": 1e3 * (released - c.left_at),
             "release_steps": np.nan if r["release_step"] is None else r["release_step"] - at,
-            "step_ms": 1e3 * step.seconds, "rest_of_step_ms": 1e3 * (step.started + step.seconds - r["closed"]),
+            "step_ms": 1e3 * step.seconds, "rest_of_step_ms": 1e3 * (step.started + step.seconds - r["closed"])
+            if r["release_step"] is not None and r["release_step"] > at else np.nan,
             "tokens_generated": r["tokens_generated"], "unread": r["tokens_generated"] - c.tokens,
             "ever_admitted": r["first_token_sampled"] is not None, "engine_finish": r["finish_reason"]}  # fmt: skip
 
@@ -243,7 +244,7 @@ FIN_RST = Experiment(
     needs=("lab",),
     chapter={"moments": ("waiting, before_first, early, mid, near_end", "mid and near_end cost 100 and 196 steps a "
                          "wave; the moments table above has them, four pairs each"),
-             "max_batch": (4, "eight pairs a wave, seven waves: 56 pairs per moment within the notebook's time"),
+             "max_batch": (4, "more pairs a wave: fifty or more per moment within the notebook's time"),
              "blocker_tokens": (200, "they only need to outlast the waiting clients' leave, and leave after them")},
 )  # fmt: skip
 

@@ -44,6 +44,7 @@ def setup(notebook: str, profile_name: str = "", model_name: str = "", *, device
         pd.set_option(f"display.{key}", value)
     for name in ("uvicorn", "uvicorn.access", "uvicorn.error"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("asyncio").setLevel(logging.ERROR)  # a write-only response warns per write to a client gone
     profile = get_profile(profile_name or None, model_name or None, default="full")
     use_profile(profile)
     _show(profile_table(profile, notebook, device))
