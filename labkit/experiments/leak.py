@@ -1,14 +1,11 @@
 """Notebook 06, part two: after many clients come and go, is everything given back exactly once?
 
-:data:`PLAN` sends ``streams`` requests, at most ``concurrency`` at once, on a seeded plan (the
-same every run): ``share_full`` read to the end, ``share_early`` leave after ``early_range``
-tokens by FIN or RST, the rest read slowly and leave after one of ``slow_leave_after``. Then it
-reads the server's books, not the responses: with lab routes the cache check between two steps,
-nothing held, running, waiting or registered, every stream finished once and every admitted one
-released once; else ``/stats`` or ``/metrics`` back to no request running, else the CPU or a
-follow-up request's pace back to the idle reading before the run (the witness is named). And
-what leaving cost: tokens made per token read, and the time, per response class, the classes
-taking turns run after run.
+:data:`PLAN` sends ``streams`` requests, ``concurrency`` at most at once, on a seeded plan:
+``share_full`` read to the end, ``share_early`` leave after ``early_range`` tokens by FIN or RST,
+the rest read slowly and leave after one of ``slow_leave_after``. Then the server's books, not the
+responses: with lab routes the cache check, nothing held or registered, every stream finished and
+every admitted one released once; else ``/stats`` or ``/metrics``, else the CPU or a follow-up's
+pace back to idle (the witness named). And what leaving cost: tokens made per token read, and time.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from labkit.experiments.chapter_figures import figure
 from labkit.experiments.disconnect import CLASSES, WAYS, class_conditions, reading, server, witness_of
 from labkit.experiments.overlap import prompts
 from labkit.lab import Experiment, ReadOptions, Sizes, Target, Trial, interval, judge, spread, tell
@@ -146,7 +144,7 @@ def verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
 PLAN = Experiment(
     name="leak.plan",
     title="Many clients leaving every way a client can, then the server's books",
-    sizes={"full": {"classes": CLASSES, "streams": 100, "concurrency": 48, "max_batch": 8, "tokens": 48,
+    sizes={"full": {"classes": CLASSES, "streams": 60, "concurrency": 48, "max_batch": 8, "tokens": 44,
                     "share_full": 0.35, "share_early": 0.5, "early_range": (0, 40), "slow_leave_after": (3, 10),
                     "slow_pace_s": 0.25, "window_s": 1.0, "follow_tokens": 12, "seed": 7, "timeout": 300.0,
                     "repetitions": 3},
@@ -159,7 +157,8 @@ PLAN = Experiment(
     measure=measure,
     tables=tables,
     verdicts=verdicts,
-    chapter={"streams": (300, "three runs of each class (an interval for the time) within the notebook's time"),
+    chapter={"streams": (int(figure("leak", "streams")), "three runs of each class (an interval for the time) "
+                         "within the notebook's time"),
              "tokens": ("not stated", "each stream's limit; the early leavers leave within it"),
              "repetitions": (1, "interleaved runs give the time comparison an interval")},
 )  # fmt: skip

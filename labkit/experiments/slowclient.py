@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from labkit.experiments.chapter_figures import figure
 from labkit.experiments.overlap import pct, prompts
 from labkit.hub import POLICIES as HUB_POLICIES
 from labkit.lab import Experiment, ReadOptions, Sizes, Stream, Target, Trial, interval, judge, span, spread, tell
@@ -210,7 +211,7 @@ POLICIES = Experiment(
     title="Slow readers among healthy ones under each policy, each against its own k = 0 runs",
     sizes={
         "full": {"policies": HUB_POLICIES, "streams": 8, "slow_counts": (0, 1, 2, 4), "tokens": 32, "pad_bytes": 65536,
-                 "sndbuf": 16384, "high_water": 8, "stall_steps": 6, "slow_fraction": 0.25, "slow_pace_s": 0.05,
+                 "sndbuf": 16384, "high_water": 8, "stall_steps": 6, "slow_fraction": 0.33, "slow_pace_s": 0.05,
                  "slow_rcvbuf": 65536, "slow_timeout_s": 300.0, "repetitions": 2},
         "ci": {"policies": HUB_POLICIES, "streams": 4, "slow_counts": (0, 1, 2), "tokens": 96, "pad_bytes": 4096,
                "sndbuf": 4096, "high_water": 8, "stall_steps": 8, "slow_fraction": 0.25, "slow_pace_s": 0.02,
@@ -224,8 +225,8 @@ POLICIES = Experiment(
     plots=plots,
     chapter={"stall_steps": ("0.25 s", "counted in steps of the measured step interval, so the drop falls at the "
                              "same point of a stream on any engine"),
-             "slow_fraction": ("about 1/25 (one chunk per 0.25 s)", "a share of this server's measured write rate"),
-             "tokens": (64, "every slow reader reads its stream to the end at a quarter of the write rate; 64 tokens "
+             "slow_fraction": (figure("slowclient", "slow_pace"), "a share of the server's measured write rate"),
+             "tokens": (64, "every slow reader reads its stream to the end at a third of the write rate: 64 tokens "
                         "would take the runs past the notebook's time"),
              "repetitions": (1, "two, interleaved: with k = 1, 2 and 4 pooled, six paired ratios per policy, the "
                              "fewest that give a 95% interval")},
