@@ -10,16 +10,13 @@ two steps), and ``labkit.experiments.servers`` reads them.
 from __future__ import annotations
 
 import asyncio
-
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from labkit.experiments import disconnect, leak
 from labkit.experiments.client import launch_streams, run_sync
 from labkit.experiments.servers import (
     books,
@@ -138,59 +135,9 @@ def test_server_checks_read_an_idle_server_as_whole(server):
     assert server_stats(server.url)["held_blocks"] == 0
 
 
-class OnlyHttp:
-    """A server as an experiment may see it: its address, settings and model, no engine or hub."""
-
-    def __init__(self, server) -> None:
-        self.url, self.config = server.url, server.config
-        self.engine = SimpleNamespace(model=server.engine.model)  # to share the loaded model
-
-
 @pytest.fixture(scope="module")
 def server_settings():
     return {"max_batch": 4, "policy": "unbounded", "response_class": "starlette", "max_waiting": None}
-
-
-def test_disconnect_runs_on_a_server_it_can_only_reach_over_http(server):
-    """The "waiting" clients must leave before a blocker ends and frees a slot: they were released
-    10-30 ms after the batch was full here, and 64-token blockers ended 130-220 ms after it, close
-    enough for a faster engine to admit one; 200-token blockers last three times as long."""
-    config = disconnect.Config(
-        model="tiny-gpt2",
-        repetitions=1,
-        at_once=1,
-        max_new_tokens=12,
-        early_tokens=2,
-        end_margin=2,
-        blocker_tokens=200,
-        response_classes=("starlette",),
-        drain_after_fin_s=0.1,
-    )
-    tables = disconnect.run(config, server=OnlyHttp(server))
-    trials, checks = tables["trials"], tables["checks"]
-    assert len(trials) == len(disconnect.MOMENTS) * 2 and trials.close_to_hub_close_ms.notna().all()
-    assert trials[trials.moment != "waiting"].hub_close_to_release_steps.notna().all()
-    assert not trials[trials.moment == "waiting"].ever_admitted.any()  # the batch was full while they waited
-    row = checks.iloc[0]
-    assert row.cache_whole and row.finished == row.submitted and row.releases == row.admitted
-    assert row.submitted == len(trials) + config.max_batch  # the trials and the waiting moment's blockers
-
-
-def test_leak_runs_on_a_server_it_can_only_reach_over_http(server):
-    config = leak.Config(
-        model="tiny-gpt2",
-        streams=8,
-        concurrency=4,
-        max_batch=4,
-        max_new_tokens=10,
-        early_range=(0, 4),
-        slow_leave_after=(2,),
-        slow_sleep=0.01,
-        response_classes=("starlette",),
-    )
-    outcome = leak.run(config, server=OnlyHttp(server))["outcome"].iloc[0]
-    assert outcome.cache_whole and outcome.streams == 8 and outcome.submitted == 8
-    assert outcome.finished == outcome.submitted and outcome.releases == outcome.admitted
 
 
 @pytest.mark.parametrize("module", ["servers", "disconnect", "leak", "slowclient"])

@@ -24,9 +24,6 @@ from labkit.experiments.client import percentiles
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.target import Reading, Target
-from labkit.experiments.target_disconnect import DisconnectConfig, run_disconnect
-from labkit.experiments.target_leak import LeakConfig, run_leak
-from labkit.experiments.target_slow import SlowConfig, run_slow
 from labkit.prompts import PROMPTS
 
 __all__ = ["RUNS", "OverlapConfig", "run_overlap"]
@@ -144,7 +141,4 @@ def _unavailable(rows: tuple[tuple[str, str], ...]) -> pd.DataFrame:
 #: experiment name -> (config class, run function) for ``labkit run NAME --target URL``.
 RUNS: dict[str, tuple[Any, Callable[..., dict[str, pd.DataFrame]]]] = {
     "overlap": (OverlapConfig, run_overlap),
-    "disconnect": (DisconnectConfig, run_disconnect),
-    "slowclient": (SlowConfig, run_slow),
-    "leak": (LeakConfig, run_leak),
 }

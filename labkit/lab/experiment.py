@@ -65,6 +65,9 @@ class Sizes:
     def as_dict(self) -> dict[str, Any]:
         return dict(self._values)
 
+    def keys(self) -> Any:  # so that dict(sizes) and **sizes work
+        return self._values.keys()
+
     def changed(self, **overrides: Any) -> Sizes:
         out = dict(self._values)
         for key, value in overrides.items():
