@@ -229,9 +229,9 @@ def pair_plots(t: dict[str, pd.DataFrame], s: Sizes) -> list:
 FIN_RST = Experiment(
     name="disconnect.fin_rst",
     title="FIN against RST, side by side in pairs: the paired difference in when the server noticed",
-    sizes={"full": {"moments": MOMENTS_[:3], "tokens": 200, "blocker_tokens": 64, "max_batch": 16, "pairs": 8,
+    sizes={"full": {"moments": MOMENTS_, "tokens": 48, "blocker_tokens": 64, "max_batch": 16, "pairs": 8,
                     "early_tokens": 2, "end_margin": 4, "margin_steps": 0.1, "timeout": 120.0, "repetitions": 7},
-           "ci": {"moments": MOMENTS_[:3], "tokens": 200, "blocker_tokens": 200, "max_batch": 8, "pairs": 4,
+           "ci": {"moments": MOMENTS_, "tokens": 48, "blocker_tokens": 200, "max_batch": 8, "pairs": 4,
                   "early_tokens": 2, "end_margin": 4, "margin_steps": 0.1, "timeout": 60.0, "repetitions": 3}},
     conditions=lambda s, target: [{"moment": m} for m in s.moments],
     server=lambda s, c: server(s, {}),
@@ -240,8 +240,9 @@ FIN_RST = Experiment(
     verdicts=pair_verdicts,
     plots=pair_plots,
     needs=("lab",),
-    chapter={"moments": ("waiting, before_first, early, mid, near_end", "mid and near_end cost 100 and 196 steps a "
-                         "wave; the moments table above has them, four pairs each"),
+    chapter={"tokens": (200, "a pair's moment is where in its stream the client leaves (half-way, 4 before the "
+                        "end): 48-token streams put mid and near_end 24 and 44 steps in, so every moment gets its "
+                        "fifty pairs within the notebook's time; the moments table runs the chapter's 200"),
              "max_batch": (4, "more pairs a wave: fifty or more per moment within the notebook's time"),
              "blocker_tokens": (200, "they only need to outlast the waiting clients' leave, and leave after them")},
 )  # fmt: skip
