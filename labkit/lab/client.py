@@ -189,7 +189,8 @@ async def _leave(result: Stream, options: ReadOptions, sock: socket.socket, recv
     result.left, result.left_at = options.leave_by, time.perf_counter()
     leave_socket(sock, options.leave_by)
     if options.leave_by == "rst":
-        sock.close()
+        if hasattr(sock, "close"):  # the raw reader's own socket; httpx's closes with its response
+            sock.close()
     elif recv is not None:
         with contextlib.suppress(Exception):  # a timeout, the peer's RST or close ends the drain
             await asyncio.wait_for(_drain(recv, result), options.drain_after_fin_s)
