@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from labkit.experiments import chapter, disconnect, extensions, leak, slowclient
+from labkit.experiments import chapter, disconnect, leak, slowclient
 from labkit.experiments.chapter_figures import KEYS, NO_FIGURE, figures, load, parse
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,13 +65,11 @@ def committed(name: str) -> dict[str, pd.DataFrame]:
 
 BESIDE = {
     "wire": chapter.wire_beside,
-    "isolation": chapter.isolation_beside,
     "overlap": chapter.overlap_beside,
     "buffers": chapter.buffers_beside,
     "slowclient": slowclient.beside_chapter,
     "disconnect": disconnect.beside_chapter,
     "leak": leak.beside_chapter,
-    "extensions": extensions.beside_chapter,
 }
 
 

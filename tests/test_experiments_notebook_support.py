@@ -2,10 +2,12 @@
 what was measured, and the durations table that states how long each one takes."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pandas as pd
 import pytest
 
-from labkit.experiments import buffers, extensions
+from labkit.experiments import buffers, slowclient
 from labkit.experiments.profiles import Profile, get_profile
 from labkit.experiments.results import partial_dir
 from labkit.experiments.durations import TOTAL, expected_duration, read_durations, record_durations
@@ -46,8 +48,15 @@ def test_the_profile_table_names_profile_model_and_scale():
     assert "toy sizes" in table.value["scale"] and table.value["results written to"].endswith("data")
 
 
+@dataclass(frozen=True)
+class _Nested:
+    model: str = "tiny-gpt2"
+    stall_timeouts: tuple[float, ...] = (0.25,)
+    slow: slowclient.Config = field(default_factory=lambda: slowclient.Config.for_profile(Profile("ci")))
+
+
 def test_settings_are_one_per_row_with_nested_configs_spelled_out():
-    table = settings_table(extensions.Config.for_profile(Profile("ci")))
+    table = settings_table(_Nested())
     values = table.value.to_dict()
     assert values["model"] == "tiny-gpt2" and values["stall_timeouts"] == "0.25"
     assert values["slow.policies"] == "naive, unbounded, pause, drop, pause_then_drop"

@@ -40,15 +40,12 @@ def _lower(table: str, column: str):
 #: experiment -> (its notebook, one invariant broken)
 CASES: dict[str, tuple[str, Callable[[Tables], None]]] = {
     "wire": ("01_wire_format", _lower("checks", "passed")),
-    "isolation": ("02_isolation", _set("streams", "identical", False)),
     "overlap": ("03_overlap", _set("levels", "errors", 1)),
     "buffers": ("04_buffers", _set("floods", "blocked", False)),
     "slowclient": ("05_slow_clients", _set("checks", "cache_whole", False)),
     "disconnect": ("06_disconnect_and_leaks",
                    _set("trials", "engine_finish", "cancelled", lambda t: t.response_class == "write_only")),
     "leak": ("06_disconnect_and_leaks", _set("outcome", "held_blocks", 3)),
-    "extensions": ("07_extensions", _set("identity", "identical", False,
-                                         lambda t: t.comparison.str.startswith("sampled"))),
     "production": ("08_production", _set("holdback", "holds_back", False,
                                          lambda t: t.condition == "buffering-on-accel-ignored")),
 }

@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from labkit.experiments import drain, extensions, peers, production, watch, wire
+from labkit.experiments import drain, peers, production, watch, wire
 from labkit.experiments.profiles import Profile
 from labkit.experiments.readings import step_spread, step_table
 from labkit.experiments.target_disconnect import DisconnectConfig
@@ -39,13 +39,6 @@ def test_wire_returns_its_steps(server: Any) -> None:
 def test_watch_returns_its_steps(server: Any) -> None:
     config = watch.Config(max_batch=2, waves=1, per_wave=3, wave_gap_s=0.1, tokens=10, scrape_every=0.1)
     assert_a_step_log(watch.run(config, server=server), at_least=10)  # its own server, on the loaded model
-
-
-@pytest.mark.slow
-def test_extensions_return_the_steps_of_their_service(tiny_gpt2: Any) -> None:
-    config = extensions.Config.for_profile(Profile("ci"))
-    config = extensions.Config(**{**config.__dict__, "delivery_repetitions": 1, "saturation_repetitions": 1})
-    assert_a_step_log(extensions.run(config), at_least=10)
 
 
 @pytest.mark.slow

@@ -43,7 +43,6 @@ from labkit.experiments.client import run_sync
 from labkit.experiments.profiles import Profile
 from labkit.experiments.progress import Progress, doing, tick
 from labkit.experiments.readings import Verdict, current_step, fetch_steps, interleaved, span, spread
-from labkit.experiments.saturation import Saturation
 from labkit.experiments.servers import loaded_model, server_checks, server_like
 from labkit.experiments.slowreaders import Pace, launch, read_rate, records, stats
 from labkit.experiments.workload import bodies
@@ -133,18 +132,6 @@ def server_settings(config: Config, policy: str, *, max_batch: int | None = None
         "sndbuf": config.server_sndbuf,
         "kv_cache_mb": config.kv_cache_mb,
     }
-
-
-def saturation_config(config: Config, slow_read_bytes: int | None = None) -> Saturation:
-    return Saturation(
-        slow=config.saturation_slow,
-        fast=config.saturation_fast,
-        slow_tokens=config.max_new_tokens,
-        fast_tokens=config.saturation_tokens,
-        slow_sleep=config.slow_sleep,
-        read_bytes=slow_read_bytes or config.read_bytes,
-        read_timeout=config.read_timeout,
-    )
 
 
 def conditions(config: Config) -> list[tuple[str, int]]:
