@@ -16,7 +16,7 @@ import pandas as pd
 
 from labkit.experiments.chapter_figures import NO_FIGURE, figure, figures
 
-__all__ = ["CHAPTER_SETUP", "beside", "span", "wire_beside", "isolation_beside", "overlap_beside", "buffers_beside"]
+__all__ = ["CHAPTER_SETUP", "beside", "span", "wire_beside", "overlap_beside", "buffers_beside"]
 
 CHAPTER_SETUP = figures().setup
 
@@ -75,26 +75,6 @@ def wire_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
                 figure("wire", "empty_deltas"),
                 f"{int(streams.empty_deltas.sum())} of {int(streams.tokens.sum())}",
                 "events",
-            ),
-        ]
-    )
-
-
-def isolation_beside(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    streams = tables["streams"]
-    return beside(
-        [
-            (
-                "concurrent streams identical to their solo run",
-                figure("isolation", "identical"),
-                f"{int(streams.identical.sum())} of {len(streams)}",
-                "streams",
-            ),
-            (
-                "levels compared",
-                figure("isolation", "levels"),
-                ", ".join(map(str, sorted(streams.level.unique()))) + f" × {streams.repetition.nunique()}",
-                "streams",
             ),
         ]
     )
