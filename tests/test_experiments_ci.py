@@ -15,7 +15,7 @@ import matplotlib
 import pandas as pd
 import pytest
 
-from labkit.experiments import isolation, load, names
+from labkit.experiments import load, names
 from labkit.experiments.profiles import Profile
 
 matplotlib.use("Agg")
@@ -35,22 +35,6 @@ def test_each_profile_serves_its_model_and_full_is_the_larger_run(name):
 
 def test_registry_lists_these_four_first():
     assert names()[:4] == ["wire", "isolation", "overlap", "buffers"]
-
-
-def test_isolation_margin_is_measured_on_the_reference_model(tiny_gpt2):
-    prompt = isolation.PROMPTS[0]
-    logits = isolation.reference_logits(tiny_gpt2, prompt, [])
-    best, second = logits.topk(2).indices.tolist()
-    row = isolation._compare(2, 0, 0, [second], [best], None)
-    assert row["first_diff"] == 0 and not row["identical"]
-    table = isolation.add_margins(pd.DataFrame([row]), tiny_gpt2, [[best]])
-    assert table.margin.iloc[0] == pytest.approx(table.top2_margin.iloc[0]) and table.margin.iloc[0] >= 0
-
-
-def test_first_difference_counts_a_length_difference():
-    assert isolation.first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert isolation.first_difference([1, 5, 3], [1, 2, 3]) == 1
-    assert isolation.first_difference([1, 2], [1, 2, 3]) == 2
 
 
 @slow

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from labkit.experiments.chapter_figures import figure
+from labkit.experiments import published
 from labkit.experiments.disconnect import CLASSES, WAYS, class_conditions, reading, server, witness_of
 from labkit.lab import Experiment, ReadOptions, Sizes, Target, Trial, interval, judge, spread, tell
 from labkit.lab.client import run_sync
@@ -33,7 +33,9 @@ def plan(s: Sizes) -> list[tuple[str, int | None, LeaveBy]]:
     """(kind, tokens read before leaving or None, FIN or RST) per client, seeded."""
     shares = 0 <= s.share_full and 0 <= s.share_early and s.share_full + s.share_early <= 1
     if not shares or max(s.early_range[1], *s.slow_leave_after) >= s.tokens:
-        raise ValueError(f"leak: shares in [0, 1] summing to at most 1, leaving before tokens={s.tokens}: {s.as_dict()}")
+        raise ValueError(
+            f"leak: shares in [0, 1] summing to at most 1, leaving before tokens={s.tokens}: {s.as_dict()}"
+        )
     rng = random.Random(s.seed)
     full, early = round(s.streams * s.share_full), round(s.streams * s.share_early)
     kinds = ["full"] * full + ["early"] * early + ["slow"] * (s.streams - full - early)
@@ -157,7 +159,7 @@ PLAN = Experiment(
     measure=measure,
     tables=tables,
     verdicts=verdicts,
-    chapter={"streams": (int(figure("leak", "streams")), "three runs of each class (an interval for the time) "
+    chapter={"streams": (int(published("leak")["streams"]), "three runs of each class (an interval for the time) "
                          "within the notebook's time"),
              "tokens": ("not stated", "each stream's limit; the early leavers leave within it"),
              "repetitions": (1, "interleaved runs give the time comparison an interval")},

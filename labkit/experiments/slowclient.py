@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from labkit.experiments.chapter_figures import figure
+from labkit.experiments import published
 from labkit.hub import POLICIES as HUB_POLICIES
 from labkit.lab import Experiment, ReadOptions, Sizes, Stream, Target, Trial, interval, judge, span, spread, tell
 from labkit.lab.client import percentile as pct
@@ -227,7 +227,7 @@ POLICIES = Experiment(
     plots=plots,
     chapter={"stall_steps": ("0.25 s", "counted in steps of the measured step interval, so the drop falls at the "
                              "same point of a stream on any engine"),
-             "slow_fraction": (figure("slowclient", "slow_pace"), "a share of the server's measured write rate"),
+             "slow_fraction": (published("slowclient")["slow_pace"], "a share of the server's measured write rate"),
              "tokens": (64, "every slow reader reads its stream to the end at a third of the write rate: 64 tokens "
                         "would take the runs past the notebook's time"),
              "repetitions": (1, "two, interleaved: with k = 1, 2 and 4 pooled, six paired ratios per policy, the "

@@ -29,8 +29,6 @@ __all__ = [
     "Launch",
     "launch",
     "records",
-    "released",
-    "paused",
     "stats",
     "StatsSampler",
     "read_rate",
@@ -154,32 +152,6 @@ async def records(url: str, rids: Sequence[str | None], timeout: float = 60.0) -
         with contextlib.suppress(WaitTimeout):  # at the bound: whatever the records show
             await await_for(all_released, timeout=timeout, what="every record released")
     return seen[-1]
-
-
-def released(url: str, timeout: float = 120.0) -> Callable[[list[StreamResult]], Awaitable[None]]:
-    """For :func:`launch`'s ``until``: wait until every reader's sequence has left the engine."""
-
-    async def wait(results: list[StreamResult]) -> None:
-        await _until(lambda: all(r.request_id or r.ended for r in results), timeout, "every reader's request id")
-        await records(url, [r.request_id for r in results], timeout)
-
-    return wait
-
-
-def paused(url: str, count: int, timeout: float = 30.0) -> Callable[[list[StreamResult]], Awaitable[None]]:
-    """For :func:`launch`'s ``rest_after``: wait until the server holds ``count`` streams paused
-    (``GET /stats``), or ``timeout``."""
-
-    async def wait(results: list[StreamResult]) -> None:
-        async with httpx.AsyncClient(base_url=url, timeout=10.0) as client:
-
-            async def enough() -> bool:
-                return (await client.get("/stats")).json()["paused"] >= count
-
-            with contextlib.suppress(WaitTimeout):  # at the bound the rest start anyway
-                await await_for(enough, timeout=timeout, what=f"{count} paused streams")
-
-    return wait
 
 
 async def _record(client: httpx.AsyncClient, rid: str | None) -> dict[str, Any] | None:
