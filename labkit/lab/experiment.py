@@ -32,8 +32,8 @@ class Sizes:
     changed: an override must name a known size and keep its kind. (Not a Mapping, so that no
     method name such as ``values`` hides a size of that name.)"""
 
-    def __init__(self, values: Mapping[str, Any]) -> None:
-        object.__setattr__(self, "_values", dict(values))
+    def __init__(self, values: Mapping[str, Any] | None = None, **more: Any) -> None:
+        object.__setattr__(self, "_values", {**(values or {}), **more})
 
     def __getattr__(self, name: str) -> Any:
         try:
