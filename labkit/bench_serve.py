@@ -170,7 +170,8 @@ def llama_server(threads: int, parallel: int = 32) -> ContextManager[Server]:
     if isinstance(peer, PeerMissing):
         raise RuntimeError(peer.reason)
     port = free_port()
-    command = peer.command(port, parallel=parallel, threads=threads)
+    # room for the burst's long prompt in every slot (llama.cpp splits the context between them)
+    command = peer.command(port, parallel=parallel, threads=threads, context=parallel * 1280)
     return running(command, f"http://127.0.0.1:{port}", "llama.cpp", threads)
 
 
