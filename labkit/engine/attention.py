@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from labkit.engine.kernels import decide, paged_decode_kernel
@@ -306,18 +305,3 @@ def _attend_group(q: Tensor, kv_cache: Tensor, g: Group) -> Tensor:
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     out = torch.bmm(probs, values).view(kv_heads, rows, -1, dim).transpose(0, 1)
     return out.reshape(rows, heads * dim)
-
-
-def prefill_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Causal attention of a whole prompt over itself: q (n, heads, d), k/v (n, kv_heads, d).
-
-    A prompt always starts at position 0, so its own fresh keys and values are all it needs.
-    """
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        k.transpose(0, 1)[None],
-        v.transpose(0, 1)[None],
-        is_causal=True,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
