@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -16,7 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.service.config import ServiceConfig
-from labkit.service.deadline import MAX_DEADLINE_S, steps_to_finish
+from labkit.engine.events import StepRecord
+from labkit.service.deadline import MAX_DEADLINE_S, step_seconds, steps_to_finish
 from service_helpers import TIMEOUT, RawClient, lab_server, occupy_a_slot, wait_until
 
 ROUTES = [
@@ -65,6 +67,18 @@ def test_waiting_requests_ahead_take_the_freed_slots_first() -> None:
     # slot A frees at 5, slot B at 30; the waiting request (20 tokens) takes A until 5+1+20=26;
     # the new one then takes A at 26.
     assert steps_to_finish([(True, 30), (True, 5), (False, 20)], tokens=10, slots=2) == 26 + 1 + 10
+
+
+# -- the step cost: recent steps only ------------------------------------------------------------
+def test_a_step_counts_while_it_ended_at_most_window_s_ago() -> None:
+    slow, fast = StepRecord(1, 0.0, 1.0, 1, 0), StepRecord(2, 10.0, 0.01, 1, 0)  # ended at 1.0 and 10.01
+    assert step_seconds([slow, fast], now=10.5, max_age_s=20.0) == pytest.approx(0.505)
+    assert step_seconds([slow, fast], now=10.5, max_age_s=2.0) == pytest.approx(0.01)
+
+
+def test_an_engine_idle_longer_than_window_s_leaves_nothing_to_predict_from() -> None:
+    assert step_seconds([StepRecord(1, 0.0, 1.0, 1, 0)], now=3.5, max_age_s=2.0) is None
+    assert step_seconds([], now=3.5, max_age_s=2.0) is None
 
 
 # -- over HTTP -----------------------------------------------------------------------------------
@@ -138,6 +152,42 @@ def test_with_no_step_measured_yet_the_gate_admits(tiny_gpt2: Any) -> None:
         assert response.status_code == 200, response.text
 
 
+def test_slow_steps_left_behind_by_an_idle_engine_stop_refusing_requests(tiny_gpt2: Any) -> None:
+    """The lock-up the gate had: after a window of slow steps (``step_delay``: a busy machine) it
+    predicted every deadline missed, and as a refused request makes no step the window never
+    changed, so it refused everything from then on. Once those steps are older than
+    ``deadline_window_s`` it admits, and then predicts from the steps of the present."""
+    slow = 0.5  # seconds slept in every step that fills the window
+    body = {"prompt": "Hi", "max_new_tokens": 4, "deadline_s": 3 * slow}  # 5 steps: 2.5 s at the slow cost
+    with lab_server(tiny_gpt2, step_delay=slow, deadline_window=4) as server, httpx.Client(
+        base_url=server.url, timeout=TIMEOUT
+    ) as client:
+        assert client.post("/v1/generate", json={"prompt": "Hi", "max_new_tokens": 4}).status_code == 200
+        server.engine.config = replace(server.engine.config, step_delay=0.0)  # the machine is free again
+        assert_refused(client.post("/v1/generate", json=body))  # the slow steps are still recent: a fair refusal
+        give_up = time.monotonic() + TIMEOUT  # the default deadline_window_s is 2 s
+        while (response := client.post("/v1/generate", json=body)).status_code == 429 and time.monotonic() < give_up:
+            time.sleep(0.2)
+        assert response.status_code == 200, response.text  # admitted, with nothing recent to predict from
+        assert client.post("/v1/generate", json=body).status_code == 200  # predicted from its steps now
+        readings = httpx.get(server.url + "/lab/deadline", timeout=TIMEOUT).json()["readings"]
+        blind, predicted = readings[-2:]
+        assert not blind["refused"] and blind["predicted_s"] is None
+        assert not predicted["refused"] and predicted["step_s"] < slow  # not from the old steps
+
+
+def test_while_a_stream_holds_a_slot_its_steps_still_count_however_old(tiny_gpt2: Any) -> None:
+    """An engine with a stream running is stalled on it, not idle: its last steps still predict."""
+    with lab_server(tiny_gpt2, max_batch=1, deadline_window_s=0.1) as server, httpx.Client(
+        base_url=server.url, timeout=TIMEOUT
+    ) as client:
+        held = occupy_a_slot(server)
+        assert [s.state.value for s in server.hub.streams()] == ["running"]
+        time.sleep(0.5)  # no step since, five times deadline_window_s
+        assert_refused(client.post("/v1/stream", json={"prompt": "Hi", "max_new_tokens": 4, "deadline_s": 0.001}))
+        held.close_rst()
+
+
 def test_refusals_leak_no_stream_and_no_block(tiny_gpt2: Any) -> None:
     with lab_server(tiny_gpt2, max_batch=1) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
         held = occupy_a_slot(server)
@@ -193,8 +243,11 @@ def test_the_gate_is_a_flag_of_labkit_serve_and_checked() -> None:
     add_serve_arguments(parser)
     http = config_from_args(parser.parse_args(["--no-deadline-gate", "--deadline-window", "8"])).http
     assert (http.deadline_gate, http.deadline_window) == (False, 8)
+    assert config_from_args(parser.parse_args(["--deadline-window-s", "0.5"])).http.deadline_window_s == 0.5
     assert config_from_args(parser.parse_args([])).http.deadline_gate is True
     assert ServiceConfig.of(deadline_gate=False).http.deadline_gate is False
     with pytest.raises(ValueError, match="deadline_window"):
         ServiceConfig.of(deadline_window=0)
+    with pytest.raises(ValueError, match="deadline_window_s"):
+        ServiceConfig.of(deadline_window_s=0)
     assert math.isfinite(MAX_DEADLINE_S)

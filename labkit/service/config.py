@@ -75,6 +75,9 @@ class HttpConfig:
         True, "refuse (429) a request whose deadline_s its predicted finish would miss; none is refused without one"
     )
     deadline_window: int = setting(32, "engine steps whose mean duration the deadline gate predicts with")
+    deadline_window_s: float = setting(
+        2.0, "seconds an idle engine's last steps still predict for the deadline gate; after that it admits"
+    )
     # Not shown in repr: a config printed to a log must not carry the secret.
     auth_secret: str | None = field(
         default=None,
@@ -113,6 +116,7 @@ class HttpConfig:
         _check(self, "log_level", lambda v: v in LOG_LEVELS, f"one of {LOG_LEVELS}")
         _check(self, "deadline_gate", lambda v: isinstance(v, bool), "a bool")
         _check(self, "deadline_window", lambda v: _is_int(v) and 1 <= v <= 4096, "an int in [1, 4096]")
+        _check(self, "deadline_window_s", _positive_number, "a number > 0")
         secret = self.auth_secret
         if not (secret is None or (isinstance(secret, str) and len(secret) >= MIN_SECRET_CHARS)):
             # the value is not quoted: even a refused secret stays out of logs and tracebacks

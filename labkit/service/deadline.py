@@ -16,8 +16,19 @@ The prediction, in engine steps and then in seconds:
 * one step costs the mean of the engine's last ``deadline_window`` logged steps
   (``engine.steps_since``: a copy of the log, safe from the loop's thread). The mean, not the
   median: what is predicted is a sum of many steps, and on a busy machine the slow tail of the
-  step times (a tenth of them several times the median here) is part of that sum. With no step
-  logged yet the gate has nothing to predict from and admits.
+  step times (a tenth of them several times the median here) is part of that sum. While a
+  stream is queued or running (not paused for a slow reader) the engine is at work, and its last
+  steps are its present however old: it is stepping, or stalled on work the new request would
+  wait behind. With none, only
+  steps that ended in the last ``deadline_window_s`` seconds count. With no step that counts
+  (none logged yet, or the engine idle that long) the gate has nothing to predict from and admits.
+
+Why an idle engine's steps age out: a refused request makes no step, so a gate that trusted old
+steps could lock itself up. After a run of slow steps (a busy machine, a long prefill, a paused
+process) it refused every request with a deadline, the engine stayed idle, the window never
+changed, and it refused everything from then on (5 runs in 12 of notebook 08's goodput
+experiment). Now such a lock-up ends ``deadline_window_s`` after the engine's last step, and the
+request then admitted logs steps of the present machine.
 
 It assumes every request runs to its token limit: a request that ends early on its
 end-of-sequence token finishes sooner than predicted, so the gate errs towards refusing a
@@ -36,13 +47,14 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Annotated, Any
 
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import Field
 
+from labkit.engine.events import StepRecord
 from labkit.service.errors import ServiceError
 from labkit.service.intake import Number
 
@@ -97,13 +109,11 @@ def steps_to_finish(ahead: Iterable[tuple[bool, int]], tokens: int, slots: int) 
     return heapq.heappop(free_at) + 1 + tokens
 
 
-def step_seconds(engine: Any, window: int) -> float | None:
-    """Mean seconds of the engine's last ``window`` logged steps; None before any step."""
-    last = engine.current_step if hasattr(engine, "current_step") else 0
-    records = engine.steps_since(max(0, last - window))
-    if not records:
-        return None
-    return statistics.fmean(r.seconds for r in records[-window:])
+def step_seconds(records: Sequence[StepRecord], now: float, max_age_s: float) -> float | None:
+    """Mean seconds of the ``records`` (steps, oldest first) that ended at most ``max_age_s``
+    before ``now`` (``time.perf_counter()``); None when none did."""
+    recent = [r.seconds for r in records if now - (r.started + r.seconds) <= max_age_s]
+    return statistics.fmean(recent) if recent else None
 
 
 @dataclass(frozen=True)
@@ -113,7 +123,7 @@ class Judgement:
 
     request_id: str | None
     deadline_s: float
-    predicted_s: float | None  # seconds from arrival to the last token; None: no step cost yet
+    predicted_s: float | None  # seconds from arrival to the last token; None: no step to predict from
     steps: int | None
     step_s: float | None
     refused: bool
@@ -132,8 +142,11 @@ class DeadlineGate:
 
     LEDGER = 4096
 
-    def __init__(self, engine: Any, hub: Any, *, enabled: bool, window: int, registry: CollectorRegistry) -> None:
-        self.engine, self.hub, self.enabled, self.window = engine, hub, enabled, window
+    def __init__(
+        self, engine: Any, hub: Any, *, enabled: bool, window: int, window_s: float, registry: CollectorRegistry
+    ) -> None:
+        self.engine, self.hub, self.enabled = engine, hub, enabled
+        self.window, self.window_s = window, window_s
         self.ledger: deque[Judgement] = deque(maxlen=self.LEDGER)
         self.refusals = Counter(
             "labkit_deadline_refusals",
@@ -142,11 +155,15 @@ class DeadlineGate:
         )
 
     def predict(self, tokens: int) -> Prediction | None:
-        """When a request of ``tokens`` tokens submitted now would finish; None without a step cost."""
-        step_s = step_seconds(self.engine, self.window)
+        """When a request of ``tokens`` tokens submitted now would finish; None without a step that counts."""
+        live = self._live()
+        at_work = any(s.state.value in ("queued", "running") for s in live)
+        last = self.engine.current_step if hasattr(self.engine, "current_step") else 0
+        records = self.engine.steps_since(max(0, last - self.window))[-self.window :]
+        step_s = step_seconds(records, time.perf_counter(), math.inf if at_work else self.window_s)
         if step_s is None:
             return None
-        ahead = [(s.state.value != "queued", s.record.max_new_tokens - s.record.tokens_generated) for s in self._live()]
+        ahead = [(s.state.value != "queued", s.record.max_new_tokens - s.record.tokens_generated) for s in live]
         slots = int(self.engine.scheduler.max_batch)
         return Prediction(steps_to_finish(ahead, tokens, slots), step_s)
 

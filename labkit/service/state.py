@@ -32,6 +32,7 @@ class Service:
             hub,
             enabled=config.http.deadline_gate,
             window=config.http.deadline_window,
+            window_s=config.http.deadline_window_s,
             registry=self.metrics.registry,
         )
         self.resume = ResumeRegistry(
