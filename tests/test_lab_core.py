@@ -127,7 +127,17 @@ def test_tell_holds_only_when_the_interval_excludes_the_null(values, decided):
         assert "repetitions would decide it" in text
 
 
-def test_a_ratio_interval_of_two_samples_is_seeded_and_brackets_its_estimate():
-    a, b = [10, 11, 12, 13, 9], [5, 6, 5, 4, 6]
-    first, second = interval(a, others=b), interval(a, others=b)
-    assert first == second and first.low <= first.estimate <= first.high and first.estimate == pytest.approx(11 / 5)
+def test_a_paired_ratio_is_judged_repetition_by_repetition_and_needs_six():
+    a, b = [10, 11, 12, 13, 9, 10], [5, 5.5, 6, 6.5, 4.5, 5]
+    ci = interval(a, others=b)
+    assert (ci.estimate, ci.low, ci.high, ci.n) == (2.0, 2.0, 2.0, 6)  # every repetition's ratio is 2
+    assert not np.isfinite(interval(a[:3], others=b[:3]).low)  # three pairs cannot decide anything
+    with pytest.raises(ValueError, match="one value each per repetition"):
+        interval(a, others=b[:5])
+
+
+def test_an_unpaired_ratio_is_a_seeded_bootstrap_that_also_needs_six_each():
+    a, b = [10, 11, 12, 13, 9, 10], [5, 6, 5, 4, 6, 5]
+    first, second = interval(a, others=b, paired=False), interval(a, others=b, paired=False)
+    assert first == second and first.low <= first.estimate <= first.high and first.estimate == pytest.approx(10.5 / 5)
+    assert not np.isfinite(interval(a[:5], others=b, paired=False).low)

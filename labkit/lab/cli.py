@@ -84,6 +84,8 @@ def run_from_args(args: argparse.Namespace) -> int:
                 return _fail(f"target {target.url}: every stream of {spec.name} failed ({target.last_failure})")
     except (TargetError, NotMeasurable) as exc:
         return _fail(str(exc))
+    except (OSError, TimeoutError, KeyError, ValueError) as exc:  # a target that broke mid-run: one line, exit 2
+        return _fail(f"target {target.url}: {type(exc).__name__}: {exc}"[:400])
     finally:
         target.close()
     return 0

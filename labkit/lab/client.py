@@ -48,6 +48,7 @@ __all__ = [
 
 T = TypeVar("T")
 JSON_CAP = 8 << 20  # bytes of a JSON answer the client reads at most
+HEAD_ROOM = 1 << 20  # bytes of heads (and 1xx answers) the raw reader takes beyond a stream's cap
 BASE_HEADERS = {"Accept-Encoding": "identity", "Accept": "text/event-stream, application/json"}
 
 
@@ -89,6 +90,8 @@ async def read(
     result.api, result.sent = request.api, time.perf_counter()
     raw = raw or leave is not None or hold is not None or not options.read or options.rcvbuf is not None
     raw = raw or options.keep_wire  # only the raw reader owns its socket and sees every byte
+    # a planned leave in time is kept to the moment by the raw reader (httpx waits for the head first)
+    raw = raw or (options.leave_after_s is not None and url.startswith("http:"))
     try:
         async with contextlib.AsyncExitStack() as stack:
             if raw:
@@ -99,12 +102,16 @@ async def read(
                 work = _httpx(client, request, options, result)
             await asyncio.wait_for(work, options.bound_s + options.drain_after_fin_s + 0.5)
     except TimeoutError:
-        if result.left is None:
+        if result.left is None and options.bound_s < options.timeout:
+            result.left, result.left_at = options.leave_by, time.perf_counter()  # the planned leave came first
+        elif result.left is None:
             result.error = f"no end within the {options.timeout:g} s bound of one request"
     except (httpx.ConnectError, ConnectionRefusedError) as exc:
         result.error = f"cannot connect ({'connection refused' if _refused(exc) else exc})"
     except (httpx.HTTPError, OSError, h11.ProtocolError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:300]
+    except (ValueError, RecursionError, UnicodeError) as exc:  # an answer no parser could read
+        result.error = f"an unreadable answer: {type(exc).__name__}: {exc}"[:300]
     result.ended = result.ended or time.perf_counter()
     if result.error is None:
         result.error = _refusal(result, request.stream)
@@ -298,6 +305,7 @@ async def _read_raw(
     sock: socket.socket, conn: h11.Connection, result: Stream, options: ReadOptions, leave: asyncio.Event
 ) -> None:
     loop, splitter, kept = asyncio.get_running_loop(), EventSplitter(), bytearray()
+    received, most = 0, options.max_bytes + HEAD_ROOM  # every byte counts, heads and 1xx answers too
     flag = asyncio.ensure_future(leave.wait())
     try:
         while not leave.is_set() and not _should_leave(result, options):
@@ -312,6 +320,10 @@ async def _read_raw(
                     await recv
                 return
             data = recv.result()
+            received += len(data)
+            if received > most:
+                result.error = f"the answer passed the client's cap of {options.max_bytes:,} bytes"
+                break
             if options.keep_wire:
                 result.wire += data
             result.reads += bool(data)

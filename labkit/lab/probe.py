@@ -126,8 +126,8 @@ def _witnesses(target: Target) -> dict[str, bool]:
 
     stats = answers("/stats", "free_blocks")
     metrics = answers("/metrics", None)
-    return {"stats": stats, "native": stats, "lab": stats and answers("/lab/steps?since=4611686018427387904", "step"),
-            "metrics": metrics}  # fmt: skip
+    lab = stats and answers("/lab/steps?since=4611686018427387904", "step")
+    return {"stats": stats, "native": stats and target.api == "labkit", "lab": lab, "metrics": metrics}
 
 
 def quirks_table(target: Target) -> pd.DataFrame:

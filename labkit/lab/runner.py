@@ -128,6 +128,14 @@ class Result:
         return path
 
 
+def _read(path: Path) -> pd.DataFrame:
+    """A saved table; a run that measured nothing saved an empty one."""
+    try:
+        return pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        return pd.DataFrame()
+
+
 def _plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else str(value)
 
@@ -245,7 +253,7 @@ def load(spec: Experiment, profile: Profile | None = None, *, lab: bool = True) 
     folder = data_folder(spec, profile, lab)
     record = json.loads((folder / "results.json").read_text())
     sizes = Sizes({k: tuple(v) if isinstance(v, list) else v for k, v in record["sizes"].items()})
-    tables: Tables = {name: pd.read_csv(folder / f"{name}.csv") for name in record["measured"]}
+    tables: Tables = {name: _read(folder / f"{name}.csv") for name in record["measured"]}
     verdicts: list[Verdict] = []
     if not tables["rows"].empty:
         tables.update(spec.tables(tables, sizes))

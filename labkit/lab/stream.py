@@ -120,8 +120,15 @@ class Stream:
     completed: bool = False  # reached its own end: a done/error event, a finish reason, [DONE]
 
     def add(self, event: TimedEvent) -> None:
+        """Interpret one event; a payload of the wrong shape ends nothing but is said in
+        ``stream_error`` (a hostile or broken server must not crash the client)."""
         self.events.append(event)
-        data = event.data
+        try:
+            self._interpret(event, event.data)
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:
+            self.stream_error = self.stream_error or f"malformed event {event.id or len(self.events)}: {exc}"[:200]
+
+    def _interpret(self, event: TimedEvent, data: dict[str, Any]) -> None:
         if self.api == "labkit":
             if event.event == "token":
                 self.token_times.append(event.time)
@@ -148,7 +155,7 @@ class Stream:
                 self.finish_reason, self.completed = choice["finish_reason"], True
             elif piece or "role" not in delta:
                 self.token_times.append(event.time)
-            self.pieces.append(piece)
+            self.pieces.append(str(piece))
 
     # -- what a table reads ---------------------------------------------------------------------
     @property
@@ -248,8 +255,8 @@ _LINE_END = re.compile(rb"[\r\n]")
 def _payload(data: str) -> dict[str, Any]:
     try:
         value = json.loads(data)
-    except json.JSONDecodeError:
-        return {"raw": data}
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than Python recurses
+        return {"raw": data[:200]}
     return value if isinstance(value, dict) else {"raw": value}
 
 
@@ -257,5 +264,5 @@ def json_or_text(raw: bytes) -> Any:
     """A body as JSON if it parses, else as text (the client's caps bound its size)."""
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # not JSON (or not UTF-8), or nested too deep to parse
         return raw.decode("utf-8", "replace")

@@ -124,7 +124,9 @@ class Target(Books):
             raise TargetError(url, f"api must be labkit, openai or openai-chat, got {api!r}")
         self.url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/').removesuffix('/v1')}"
         self.api, self.model, self.quirks, self.pid = api, model, quirks, pid
-        self.caps = replace(caps, cpu=caps.cpu or (pid is not None and Path(f"/proc/{pid}/stat").exists()))
+        # labkit's own events (token ids, request ids) come only through its own API
+        local = pid is not None and Path(f"/proc/{pid}/stat").exists()
+        self.caps = replace(caps, cpu=caps.cpu or local, native=caps.native and api == "labkit")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.extra_body = dict(extra_body or {})
         self.name = name or parts.netloc
@@ -178,7 +180,13 @@ class Target(Books):
         async with async_client(
             self.url, max(1, len(requests)), max((o.timeout for o in opts), default=300.0)
         ) as client:
-            streams = await asyncio.gather(*(self.stream(r, o, client=client) for r, o in zip(requests, opts)))
+            tasks = [asyncio.ensure_future(self.stream(r, o, client=client)) for r, o in zip(requests, opts)]
+            try:
+                streams = await asyncio.gather(*tasks)
+            finally:  # a failure (or a cancel) ends every sibling, never orphans one
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
         return Launch(list(streams), makespan(streams))
 
     def read(self, request: Request, options: ReadOptions | None = None, **how: Any) -> Stream:
@@ -296,8 +304,13 @@ class Process(Target):
         return cls([*command, *flags], f"http://127.0.0.1:{port}", health="/healthz", api=api, caps=caps, model=model)
 
     def start(self) -> None:
-        out = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
-        self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env)
+        if self.log is None:
+            self.proc = subprocess.Popen(
+                self.command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=self.env
+            )
+        else:
+            with open(self.log, "ab") as out:  # the child holds its own copy of the descriptor
+                self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env)
         self.pid, self.caps = self.proc.pid, replace(self.caps, cpu=True)
         deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:
