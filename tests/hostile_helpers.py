@@ -90,6 +90,26 @@ async def cut_mid_chunk(w: Writer) -> None:
     await w.drain()
 
 
+def malformed(payload: bytes) -> Behaviour:
+    """A well-framed stream whose one event carries ``payload``, then a proper end."""
+
+    async def behave(w: Writer) -> None:
+        w.write(SSE_HEAD + chunk(b"event: token\ndata: " + payload + b"\n\n") + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await w.drain()
+
+    return behave
+
+
+async def informational_flood(w: Writer, limit: int = 256 << 20) -> None:
+    """Interim 103 answers without end: none of them is the response or its body."""
+    piece = b"HTTP/1.1 103 Early Hints\r\nlink: </x>; rel=preload\r\n\r\n" * 1000
+    sent = 0
+    while sent < limit:
+        w.write(piece)
+        sent += len(piece)
+        await w.drain()
+
+
 async def redirect(w: Writer) -> None:
     w.write(b"HTTP/1.1 302 Found\r\nlocation: http://elsewhere.example:8080/v1/completions\r\ncontent-length: 0\r\n\r\n")
     await w.drain()

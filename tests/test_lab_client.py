@@ -9,6 +9,8 @@ import time
 import pytest
 from hostile_helpers import (
     cut_mid_chunk,
+    informational_flood,
+    malformed,
     endless_stream,
     gzip_bomb,
     hostile,
@@ -113,3 +115,24 @@ def test_a_raw_read_of_a_refusal_keeps_the_json_body():
     with hostile(redirect) as url:
         stream = run_sync(read(url, Request("/v1/stream", {"prompt": "x"}), raw=True))
     assert stream.status == 302 and stream.error.startswith("HTTP 302 redirect")
+
+
+@pytest.mark.parametrize("api", ["labkit", "openai"])
+@pytest.mark.parametrize("payload", [b'{"id": "x", "text": 1}', b'{"choices": [1, "a"]}', b"[" * 50000,
+                                     b'{"choices": [{"text": {"a": 1}, "finish_reason": null}]}'],
+                         ids=["bad-id", "bad-choices", "deep", "text-not-a-string"])
+@pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])
+def test_a_malformed_event_is_the_stream_s_error_never_a_crash(api, payload, raw):
+    with hostile(malformed(payload)) as url:
+        stream = completion(Target(url, api=api), ReadOptions(timeout=10), raw=raw)
+    assert stream.status == 200 and stream.error is None
+    if api == "labkit":  # a token event of the wrong shape, and no done event: not a whole stream
+        assert not stream.ok and stream.failure is not None
+    else:  # an OpenAI reader skips what it cannot use; [DONE] ended the stream
+        assert stream.completed
+
+
+def test_interim_answers_without_end_count_toward_the_cap():
+    with hostile(informational_flood) as url:
+        stream = completion(Target(url), ReadOptions(timeout=30, max_bytes=1 << 20, keep_wire=True), raw=True)
+    assert stream.error == "the answer passed the client's cap of 1,048,576 bytes" and len(stream.wire) < 3 << 20

@@ -282,7 +282,7 @@ async def _raw(
                 await asyncio.wait_for(leave.wait(), max(0.0, result.sent + options.bound_s - time.perf_counter()))
         if result.ended is None:
             planned = leave.is_set() or _should_leave(result, options) or options.bound_s < options.timeout
-            if not planned:
+            if not planned and result.error is None:
                 result.error = f"no end within the {options.timeout:g} s bound of one request"
             await _leave(result, options, sock, lambda: loop.sock_recv(sock, 65536))
     finally:
