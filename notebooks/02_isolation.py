@@ -179,7 +179,7 @@ logits.plot();
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-isolation.power(streams.table("rows"), logits.table("rows"))
+isolation.power(streams, logits)
 
 # %% [markdown]
 # Read the two sections together. The invariant mode's claim is about bits, and section 2 checks

@@ -7,6 +7,8 @@ plain mode must not be; a target without labkit's token ids gets a "not measurab
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pandas as pd
 import pytest
 import torch
@@ -140,12 +142,24 @@ def test_only_float32_invariance_and_repetition_are_checked():
 
 
 def test_power_counts_the_plain_tokens_compared_and_bounds_the_flips_they_could_expect():
-    streams = _streams({("plain", 4)})
-    row = isolation.power(streams, _logit_rows(plain_float32=10)).iloc[0]  # no flip rate: 1.5 in 10 rows bound it
+    streams = _result(_streams({("plain", 4)}))
+    row = isolation.power(streams, _result(_logit_rows(plain_float32=10))).iloc[0]  # no flip rate: 1.5 in 10 rows bound it
     assert row["plain tokens compared over HTTP"] == 4 * 8 and row["flips seen"] == 1
     assert row["flips expected, at most"] == pytest.approx(32 * 0.15)
     often = _logit_rows(plain_float32=10).assign(flips_per_1000=500.0)
-    assert isolation.power(streams, often).iloc[0]["flips expected, at most"] == pytest.approx(32 * 0.5)
+    assert isolation.power(streams, _result(often)).iloc[0]["flips expected, at most"] == pytest.approx(32 * 0.5)
+
+
+def test_power_says_why_when_a_measurement_saw_nothing():
+    empty = _result(pd.DataFrame(), because="its model is not labkit's")
+    assert list(isolation.power(empty, _result(_logit_rows())).because) == ["its model is not labkit's"]
+    plain_free = _result(_streams(set()).query("mode == 'invariant'"))
+    assert "no plain-mode streams" in isolation.power(plain_free, _result(_logit_rows())).because[0]
+
+
+def _result(rows: pd.DataFrame, because: str | None = None) -> SimpleNamespace:
+    tables = {"rows": rows} | ({"not_measurable": pd.DataFrame({"because": [because]})} if because else {})
+    return SimpleNamespace(tables=tables)
 
 
 @pytest.mark.slow

@@ -37,6 +37,16 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return i if i is not None or len(a) == len(b) else min(len(a), len(b))
 
 
+def compared(stream: Stream, other: Stream) -> tuple[int | None, str | None]:
+    """Where ``stream``'s token ids first depart from ``other``'s, and what kept the two from being
+    compared: a failure, or no token ids (only labkit's API sends them; two empty lists are equal
+    and say nothing), so a stream counts as identical only with every token's id in hand."""
+    failure = stream.failure or other.failure
+    if failure is None and not all(len(x.token_ids) == x.tokens > 0 for x in (stream, other)):
+        failure = "no token ids to compare (only labkit's own API sends them)"
+    return first_difference(stream.token_ids, other.token_ids), failure
+
+
 # --------------------------------------------------------------------------- streams over HTTP
 
 
@@ -55,8 +65,7 @@ def measure_streams(trial: Trial) -> list[dict[str, Any]]:
     records = target.records([st.request_id for st in together]) if target.caps.lab else [None] * len(together)
     rows = []
     for i, (stream, solo, record) in enumerate(zip(together, trial.state[trial.mode], records)):
-        first = first_difference(stream.token_ids, solo.token_ids)
-        failure = stream.failure or solo.failure
+        first, failure = compared(stream, solo)
         rows.append({"prompt": i, "tokens": stream.tokens, "identical": first is None and failure is None,
                      "first_diff": first, "diverged_step": _step_of(record, first), "failure": failure,
                      "solo_token": _at(solo.token_ids, first), "concurrent_token": _at(stream.token_ids, first)})  # fmt: skip
@@ -88,7 +97,8 @@ def stream_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
     invariant, alone = rows[rows["mode"] != "plain"], rows[rows.level == 1]
 
     def differ(g: pd.DataFrame) -> str:
-        return f"{int((~g.identical).sum())} of {len(g)} streams differ from their solo run"
+        failed = int(g.failure.notna().sum())
+        return f"{int((~g.identical).sum())} of {len(g)} streams differ from their solo run ({failed} failed or not compared)"
 
     return [
         judge("concurrent equals solo (invariant)", "with batch_invariant on (or as a server the lab did not start "
@@ -140,45 +150,19 @@ def compare(solo: Any, batched: Any) -> dict[str, Any]:
 
 def measure_logits(trial: Trial) -> list[dict[str, Any]]:
     """Probes decoded alone, and inside batches of every size (probes first, other prompts as
-    neighbours), every run on its own blocks; probes are fed their solo run's tokens, neighbours
-    their own greedy ones. Step 0 is the prefill (alone, or packed with the batch's prompts)."""
+    neighbours), every run on its own blocks (:func:`labkit.engine.logits_probe`); each probe row's
+    logits compared with its solo ones at every step (step 0: the prefill)."""
     import torch
 
-    with torch.inference_mode():
-        kept = decode_runs(trial)
-    trial.keep("tokens", kept)
-    return logit_rows(pd.DataFrame(kept))
-
-
-def decode_runs(trial: Trial) -> list[dict[str, Any]]:
-    from labkit.engine.cache import BlockManager
-    from labkit.engine.runner import ModelRunner
+    from labkit.engine import logits_probe
 
     s, loaded = trial.sizes, trial.target.loaded  # type: ignore[attr-defined]
-    prompts = prompt_ids(loaded.tokenizer, max(s.batches))
-    probes = range(min(s.probes, max(s.batches)))
-    rows = [*probes, *(r for b in s.batches for r in range(b))]  # every run's rows, each on its own blocks
-    need = sum(-(-(len(prompts[r]) + s.tokens) // 16) for r in rows)
-    blocks = BlockManager(need, 16)
-    runner = ModelRunner(loaded, num_blocks=need, block_size=16, dtype=trial.dtype,
-                         batch_invariant=trial.mode == "invariant")  # fmt: skip
-    table = {(b, r): blocks.allocate((b, r), len(prompts[r]) + s.tokens) for b in s.batches for r in range(b)}
-    table.update({("solo", r): blocks.allocate(("solo", r), len(prompts[r]) + s.tokens) for r in probes})
-    solo = [runner.prefill(prompts[r], table["solo", r]) for r in probes]
-    path = [[int(x.argmax())] for x in solo]
-    own = {b: runner.prefill_many(prompts[:b], [table[b, r] for r in range(b)]) for b in s.batches}
-    kept = []
-    for step in range(s.tokens):
-        if step:
-            solo = [runner.decode([path[r][-1]], [len(prompts[r]) + step - 1], [table["solo", r]])[0] for r in probes]
-            for r, x in zip(probes, solo):
-                path[r].append(int(x.argmax()))
-        for b in s.batches:
-            if step:
-                fed = [path[r][step - 1] if r in probes else int(own[b][r].argmax()) for r in range(b)]
-                own[b] = runner.decode(fed, [len(prompts[r]) + step - 1 for r in range(b)], [table[b, r] for r in range(b)])  # fmt: skip
-            kept += [{"batch": b, "probe": r, "step": step, **compare(solo[r], own[b][r])} for r in probes if r < b]
-    return kept
+    with torch.inference_mode():
+        probe = logits_probe(loaded, prompt_ids(loaded.tokenizer, max(s.batches)), s.batches, s.probes, s.tokens,
+                             dtype=trial.dtype, batch_invariant=trial.mode == "invariant")  # fmt: skip
+        kept = [{"batch": b, "probe": r, "step": step, **compare(solo, batched)} for b, r, step, solo, batched in probe]
+    trial.keep("tokens", kept)
+    return logit_rows(pd.DataFrame(kept))
 
 
 def logit_rows(tokens: pd.DataFrame) -> list[dict[str, Any]]:
@@ -257,15 +241,23 @@ LOGITS = Experiment(
 )  # fmt: skip
 
 
-def power(streams: pd.DataFrame, logits: pd.DataFrame) -> pd.DataFrame:
-    """What the token comparison could see: the plain-mode tokens it compared in batches, and the
-    flips that the logits measurement's float32 flip rate (its largest batch) expects among them;
-    where no move beat any margin, by half of three over the margins seen (95%)."""
-    plain = streams[(streams["mode"] == "plain") & (streams.level > 1)]
-    rate = logits[(logits["mode"] == "plain") & (logits.dtype == "float32")].sort_values("batch").iloc[-1]
+def power(streams: Any, logits: Any) -> pd.DataFrame:
+    """What the token comparison could see, from the two measurements' results: the plain-mode
+    tokens it compared in batches, and the flips that the logits measurement's float32 flip rate (its
+    largest batch) expects among them; where no move beat any margin, by half of three over the
+    margins seen (95%). Where either measured nothing of that, the rows saying why."""
+    for result in (streams, logits):
+        if result.tables["rows"].empty:
+            return result.tables.get("not_measurable", pd.DataFrame({"because": ["nothing was measured"]}))
+    s, g = streams.tables["rows"], logits.tables["rows"]
+    plain = s[(s["mode"] == "plain") & (s.level > 1)]
+    rates = g[(g["mode"] == "plain") & (g.dtype == "float32")].sort_values("batch")
+    if plain.empty or rates.empty:
+        return pd.DataFrame({"because": ["no plain-mode streams in batches, or no plain float32 logits, to set side by side"]})
+    rate = rates.iloc[-1]
     compared, bound = int(plain.tokens.sum()), max(rate.flips_per_1000, 1500 / rate.rows)
     return pd.DataFrame([{"plain tokens compared over HTTP": compared, "flips per 1000 (logits)": rate.flips_per_1000,
-                          "flips expected, at most": compared * bound / 1000, "flips seen": int((~plain.identical).sum())}])  # fmt: skip
+                          "flips expected, at most": compared * bound / 1000, "flips seen": int((plain.first_diff.notna() & plain.failure.isna()).sum())}])  # fmt: skip
 
 
 SPECS = (STREAMS, LOGITS)
