@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from labkit.lab import Experiment, NotMeasurable, Sizes, Target, interval, judge, load, run, tell
+from labkit.lab import Experiment, NotMeasurable, Sizes, Target, every, interval, judge, load, run, seen, tell
 from labkit.lab.profiles import Profile
 from labkit.lab.verdict import checked_lines
 
@@ -131,3 +131,9 @@ def test_a_ratio_interval_of_two_samples_is_seeded_and_brackets_its_estimate():
     a, b = [10, 11, 12, 13, 9], [5, 6, 5, 4, 6]
     first, second = interval(a, others=b), interval(a, others=b)
     assert first == second and first.low <= first.estimate <= first.high and first.estimate == pytest.approx(11 / 5)
+
+
+def test_every_holds_only_for_rows_that_exist_and_seen_quotes_distinct_values():
+    assert every(pd.Series([True, True])) and every([1, 1])
+    assert not every(pd.Series([True, False])) and not every(pd.Series([], dtype=bool))  # no rows prove nothing
+    assert seen(pd.Series([3, 1, 3, None])) == [1.0, 3.0] and seen(pd.Series(["b", "a"])) == ["a", "b"]
