@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import pandas as pd
 
 import labkit.lab
-from labkit.lab import Experiment, Sizes, Trial, every, judge, seen, span, spread
+from labkit.lab import Experiment, Request, Sizes, Trial, every, judge, seen, span, spread
 from labkit.lab.components import Chromium, Components, Nginx, Route
 from labkit.lab.target import free_port
 from labkit.lab.witness import WaitTimeout, wait_for
@@ -80,7 +80,7 @@ def measure_rules(trial: Trial) -> dict[str, Any]:
     kit, s, target = trial.state, trial.sizes, trial.target
     tag, row = uuid.uuid4().hex, {}
     if trial.case in (CUT, RETRY):  # a finished stream, replayed by the demo route with a cut after a few events
-        done = target.read(target.request(PROMPT, s.tokens, resumable=True))
+        done = target.read(Request("/v1/stream", {"prompt": PROMPT, "max_new_tokens": s.tokens, "ignore_eos": True, "resumable": True}))  # fmt: skip
         tag, token = str(done.request_id), done.events[0].data.get("resume_token")
         raw = target.read(target.resume_request(done), raw=True)
         row = {"resume_status": raw.status, "resume_type": raw.content_type, "resume_body": len(raw.body or "")}
