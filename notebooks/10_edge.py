@@ -193,11 +193,13 @@ print(auth.checked())
 # attempt is timed. The model is irrelevant here: both profiles serve the tiny one (the scale
 # table says so).
 #
-# * **every client whole**: every client ends its stream with every event once, in order, and a
-#   204 from the new server, which knew the stream from Redis. Falsified by any client short of it.
-# * **jitter flattens the herd**: once the new server answers, the jittered clients' peak of
-#   reconnects per hundred milliseconds is at most half the fixed delay's. Falsified in any
-#   repetition above that.
+# * **every client whole**: every client ends with every event once, in order, the drain's
+#   `shutdown` error last, and an answer only Redis lets the new server give: 204 (nothing left),
+#   or the events it missed (a client cut before the error; the `replayed` column counts them).
+#   Falsified by any client short of it.
+# * **jitter flattens the herd**: once the new server is up (healthy), the jittered clients' peak
+#   of reconnects per hundred milliseconds is at most half the fixed delay's. Falsified in any
+#   repetition above that. (While the old server drains it still answers resumes, from its log.)
 # * **jitter meets fewer refusals**: the connection cap refuses (503 with `Retry-After`) fewer
 #   jittered reconnects. Falsified by as many or more in any repetition (unchecked: how many the
 #   cap refuses depends on how fast the new server answers).

@@ -32,7 +32,7 @@ def whole(*streams: Stream) -> bool:
     return ids(*streams) == list(range(1, len(ids(*streams)) + 1))
 
 
-async def storm(old: Process, s: Sizes, policy: str, restart: Any) -> tuple[list[dict], list[dict]]:
+async def storm(old: Process, s: Sizes, policy: str, restart: Any) -> tuple[list[dict], list[dict], float]:
     """Every client opens its stream, ``restart`` runs, and each resumes until answered from the store."""
     rng, attempts, first, clock = random.Random(s.seed), [], [Stream() for _ in range(s.clients)], dict[str, float]()
 
@@ -59,27 +59,28 @@ async def storm(old: Process, s: Sizes, policy: str, restart: Any) -> tuple[list
             await asyncio.sleep(0.01)
         clock["stop"] = time.perf_counter()
         await asyncio.to_thread(restart)
-        return list(await asyncio.gather(*tasks)), attempts
+        return list(await asyncio.gather(*tasks)), attempts, clock["stop"]
 
 
 def measure_storm(trial: Trial) -> dict[str, Any]:
     s, common = trial.sizes, {"resume_store": trial.state.redis.url, "max_resumable": trial.sizes.clients}
     old = Process.labkit(s.model, max_batch=8, max_waiting=s.clients, max_connections=s.clients + 32, step_delay=0.05,
                          **common)  # fmt: skip
-    new: list[Process] = []
+    new, stopped = list[Process](), list[float]()
 
     def restart() -> None:  # drain, then the same port, the same store, a connection cap below N
         old.stop()
+        stopped.append(time.perf_counter())
         new.append(Process.labkit(s.model, port=int(old.url.rsplit(":", 1)[1]), max_connections=s.cap, **common))
 
     try:
-        clients, attempts = run_sync(storm(old, s, trial.policy, restart))
+        clients, attempts, start = run_sync(storm(old, s, trial.policy, restart))
     finally:
         for server in (old, *new):
             server.close()
     trial.keep("attempts", attempts)
     a, c = pd.DataFrame(attempts), pd.DataFrame(clients)
-    up = a[a.status.isin([200, 204])].t.min()
+    up = a[(a.t >= stopped[0] - start) & (a.status > 0)].t.min()  # the new server's first answer (the old one is gone)
     return {"attempts": len(a), "refused_503": int((a.status == 503).sum()), "no_server": int((a.status == 0).sum()),
             "peak_per_100ms": int((a[a.t >= up].t * 10).astype(int).value_counts().max()), "up_s": up,
             "last_served_s": a[a.status.isin([200, 204])].t.max() - up, "whole": int(c.whole.sum()),
@@ -106,7 +107,7 @@ def storm_plots(t: dict[str, pd.DataFrame], s: Sizes) -> list:
 
     fig, (ax,) = new_figure("edge_storm", width=8.0)
     for policy, g in t["attempts"][t["attempts"].repetition == 0].groupby("policy"):
-        counts = (g.t * 10).astype(int).value_counts().sort_index()
+        counts = (g.t * 10).astype(int).value_counts().reindex(range(int(g.t.max() * 10) + 1), fill_value=0)
         ax.step(counts.index / 10, counts.to_numpy(), where="post", label=f"{policy}: reconnects")
         ax.axvline(t["rows"].set_index(["policy", "repetition"]).up_s[(policy, 0)], linestyle=":", color="grey")
     ax.set(xlabel="s since the old server was told to stop (dotted: the new one answers)", ylabel="per 100 ms",
@@ -126,9 +127,8 @@ STORM = Experiment(
 )  # fmt: skip
 
 
-class Servers(Components):
+class Servers(Components):  # a labkit serve process per resume store, started on first use
     def server(self, store: str, s: Sizes) -> Process:
-        """A ``labkit serve`` process per resume store, started on first use."""
         if not hasattr(self, store + "_store"):
             url = vars(self)["redis"].url if store == "redis" else "memory"
             setattr(self, store + "_store", Process.labkit(s.model, resume_store=url))
