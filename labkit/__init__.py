@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["load_model", "BatchEngine", "EngineConfig", "serve_in_thread"]
+__all__ = ["load_model", "BatchEngine", "EngineConfig", "serve_in_thread", "default_device"]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -15,11 +15,13 @@ _LAZY = {
     "BatchEngine": "labkit.engine.engine",
     "EngineConfig": "labkit.engine.config",
     "serve_in_thread": "labkit.server",
+    "default_device": "labkit.machine",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from labkit.engine.config import EngineConfig
     from labkit.engine.engine import BatchEngine
+    from labkit.machine import default_device
     from labkit.models import load_model
     from labkit.server import serve_in_thread
 

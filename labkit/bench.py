@@ -65,6 +65,7 @@ def _engine_step_ms(
             dtype=cfg.dtype,
             batch_invariant=invariant,
             num_blocks=batch * (-(-(cfg.context + cfg.steps + cfg.warmup + 2) // 16)),
+            step_tokens=None,  # the first step prefills every prompt whole; the timed steps only decode
         ),
     )
     for p in prompts:

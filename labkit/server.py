@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import logging
 import os
 import re
 import shutil
@@ -55,6 +56,15 @@ _CHOICES = {"policy": POLICIES, "first_token": DELIVERY_MODES, "dtype": DTYPES}
 def _uvicorn_server(app: Any, config: ServiceConfig) -> Any:
     import uvicorn
 
+    from labkit.service import uvicorn_internals
+
+    uvicorn_internals.check()  # a clear error now, not an AttributeError in the first connection
+    if not uvicorn_internals.is_tested_version():
+        logging.getLogger(__name__).warning(
+            "uvicorn %s is not the tested %s: the connection guards may misbehave",
+            uvicorn.__version__,
+            uvicorn_internals.PIN,
+        )
     service = app.state.service
     grace = config.drain_grace
     reserve = min(SHUTDOWN_RESERVE_S, grace / 2)

@@ -16,179 +16,204 @@
 # %% [markdown]
 # # 1. What goes over the wire
 #
-# A streamed answer is one HTTP response whose body keeps growing. First we look at the bytes
-# themselves: one short stream captured on a plain socket, exactly as `curl --raw` would print
-# it. Then every prompt is sent twice to the same server: once to `POST /v1/stream`, read event
-# by event with a timed SSE reader, and once to `POST /v1/generate`, which answers with a single
-# JSON document. For each stream we check what a client leans on (the content type, the request
-# id in the header against the one in the `start` event, the order start, tokens, done, the same
-# tokens, text, usage and finish reason as the JSON answer, a last event id that matches the
-# count of events, nothing cut off at the end) and we count what the stream cost in bytes.
-# Last, the awkward inputs a parser meets in the wild are fed to our parser and to httpx-sse.
+# A streamed answer is one HTTP response whose body keeps growing. First the bytes themselves:
+# streams captured on a socket of the client's own, exactly as `curl --raw` prints them, the HTTP
+# head, then the chunked body with each chunk's size in hexadecimal. Then every prompt is sent
+# twice to the same server, once streamed and once answered whole (labkit's own API:
+# `POST /v1/stream` and `POST /v1/generate`; an OpenAI-compatible server: `stream` true and false),
+# and each stream is checked for what a client leans on. Last, the awkward inputs a parser meets
+# in the wild go through our parser and through httpx-sse, side by side.
+#
+# Each measurement below is one cell: change a size in the call (`run(wire.CONTRACT, target,
+# prompts=4)`) and re-run that cell alone; the tables under it read the result it kept.
 
 # %% tags=["parameters"]
-# Parameters: papermill replaces this cell's values (`papermill -p profile_name ci`).
-# "full": SmolLM2-135M at the chapter's sizes; "ci": the tiny random GPT-2, a test run.
-# LABKIT_PROFILE in the environment that started Jupyter overrides the default.
+# Parameters (papermill replaces these: `papermill -p profile_name ci`). "full": SmolLM2-135M at
+# the chapter's sizes; "ci": the tiny random GPT-2, a test run. LABKIT_PROFILE in the environment
+# that started Jupyter sets the default. target_url "": labkit in a background thread; a URL:
+# any OpenAI-compatible server (the measurements it cannot witness say so).
 import os
 
 profile_name = os.environ.get("LABKIT_PROFILE", "full")
-model_name = ""  # "" runs the profile's model
+model_name = ""
+target_url = ""
+device = "cpu"
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-import labkit
-from IPython.display import Markdown, display
+from labkit.experiments import wire
+from labkit.lab import run, setup, target_for
 
-from labkit.experiments import chapter, wire
-from labkit.experiments.readings import quiet_line, verdict_lines, verdict_table
-from labkit.experiments.results import save_run
-from labkit.experiments.notebook import settings_table, setup_notebook
-from labkit.experiments.progress import measuring
-
-profile = setup_notebook(profile_name, model_name, notebook="01_wire_format")
-config = wire.Config.for_profile(profile)
-settings_table(config)
+profile = setup("01_wire_format", profile_name, model_name, device=device)
+target = target_for(profile, target_url, device=device)
+target
 
 # %% [markdown]
-# ## Hypotheses, before measuring
+# ## 1. The wire, visible
 #
-# Each is stated with what would falsify it; the verdicts at the end are computed from this run.
+# One short stream, then several longer ones at once, each read by the raw reader, which keeps
+# every byte it received. Every stream runs to its token limit (end-of-sequence is ignored where
+# the target allows it), so each capture carries many token events. Each capture's chunked body
+# is taken apart and every chunk classed: it holds exactly one whole SSE event (its last byte is
+# the blank line that ends the event), part of one, or several.
 #
-# 1. **Every stream keeps the client's contract.** Falsified if any check of the checks table
-#    fails for any stream.
-# 2. **Each event travels in an HTTP chunk of its own.** uvicorn writes each piece the service
-#    yields as one chunk of the chunked body. Falsified if a chunk of the raw capture holds part
-#    of an event, or more than one.
-# 3. **Our parser follows the WHATWG rules on every awkward case.** Falsified if any case
-#    dispatches other events than the rules prescribe.
-# 4. **Where both follow the rules, our parser and httpx-sse dispatch the same events.**
-#    Falsified if a case that both handle by the rules gives different events (handing the same
-#    event out one read later is a difference in timing, listed, not in events).
-# 5. **Token events carry most of a stream's bytes.** The start and done events are fixed costs
-#    a long stream spreads over its tokens. Falsified if the median share of token-event bytes in
-#    the streams that ran to their limit is below one half.
-
-# %% [markdown]
-# The server runs in a background thread for the length of the next cell and is stopped when it ends.
+# * **each event travels in an HTTP chunk of its own**: the server hands each event to the HTTP
+#   layer as one piece, and HTTP/1.1 chunked encoding makes each piece a chunk. Falsified by any
+#   chunk, in any capture, that holds part of an event or more than one.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-with measuring(wire, config, profile) as progress, labkit.serve_in_thread(**wire.server_options(config)) as server:
-    print(f"serving {server.engine.model.name} at {server.url}, batch limit {server.config.engine.max_batch}")
-    tables = wire.run(config, server=server, progress=progress)
-elapsed = progress.elapsed_s
-
-# %% [markdown]
-# ## The wire, visible
-#
-# One stream of a few tokens, every byte the server sent, with `\r` and `\n` written out. Look
-# for the HTTP head (its lines end in CRLF, then a blank line), then the chunked body: each chunk
-# starts with its size in **hexadecimal** and a CRLF, then that many bytes, then a CRLF; a chunk
-# of size `0` ends the body. Inside each chunk is one SSE event: `event:`, `id:` and `data:` lines
-# ending in a bare LF, and the blank line that dispatches it.
+raw = run(wire.RAW, target)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print("\n".join(tables["raw"].line))
+raw.scale()
 
 # %% [markdown]
-# The same body taken apart by chunk: the size line as sent, its value, and the payload.
+# The short stream, every byte, with `\r` and `\n` written out: the head (lines ending in CRLF,
+# then a blank line), then the body. Each chunk starts with its size in **hexadecimal** and a
+# CRLF, then that many bytes, then a CRLF; a chunk of size `0` ends the body. Inside each chunk is
+# one SSE event: `event:`, `id:` and `data:` lines ending in a bare LF, and the blank line that
+# dispatches it.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-tables["raw_chunks"]
+print("\n".join(raw.table("raw").line))
 
 # %% [markdown]
-# ## The checks
-#
-# One line per property. When every stream has it, the line reads the same under any profile;
-# a failure would print how many streams broke it.
+# The same body taken apart chunk by chunk: the size line as sent, its value, the payload.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+raw.table("chunks")[["size line", "bytes", "payload"]]
+
+# %% [markdown]
+# Every capture, chunk by chunk: how many chunks held one whole event, part of one, or several.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+raw.table()
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+raw.verdict_table()
+
+# %% [markdown]
+# The verdicts that must come out the same under every profile and engine speed (checked by CI):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(wire.report(tables))
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-tables['checks']
+print(raw.checked())
 
 # %% [markdown]
-# ## Awkward input: our parser beside httpx-sse
-#
-# Each case is a few bytes, cut into reads (` | ` separates them) as a socket might deliver them,
-# with the WHATWG rule it exercises. Both parsers are fed read by read; each event is shown with
-# `@` the read after which it came out (`@end`: only when the stream ended). The last columns
-# are computed: whether each parser dispatched what the rule prescribes, and where and why the
-# two differ. Look at the BOM, the blank line injected into a payload (the rest of the payload
-# is lost, which is why the lab's payloads are JSON, where a newline is always escaped), and the
-# cases that end a read on a CR.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-awkward_cols = ["case", "reads", "rule", "ours", "httpx-sse", "ours follows the rule",
-                "httpx-sse follows the rule", "where and why"]
-tables["awkward"][awkward_cols].style.hide(axis="index").set_properties(**{"text-align": "left"})
+# A chunk boundary is not an event boundary in general: a proxy may merge chunks or split them,
+# and HTTP/2 has no chunks at all, so a client must parse the event stream across reads (section
+# 3 feeds the parsers exactly such cuts). What the capture shows is that nothing between this
+# server and the socket merges or splits its events on loopback.
 
 # %% [markdown]
-# ## What a stream costs
+# ## 2. The client's contract, stream by stream
 #
-# Bytes per token counts the whole stream (start and done included) against its tokens. Most
-# of it is the token events themselves: an `event:` line, an `id:` line and a small JSON object
-# with the token's index, id and text. The figure's right panel shows one event's size by kind.
+# Every prompt streamed and the same request answered whole, at temperature 0 and past
+# end-of-sequence, so the two must agree exactly. The checks, one per row of the checks table:
+# the media type; the events in their order; the same text, usage and finish reason as the whole
+# answer; the stream's own end reached with nothing left unfinished; and, where the target speaks
+# labkit's own events, the request id header against the `start` event, the same token ids, and a
+# last event id equal to the number of events (what a reconnecting client sends back). Against an
+# OpenAI-compatible server those three are "not measurable" rows. A check that compares two
+# missing values (no usage in the stream and none in the answer) fails: nothing was compared.
+#
+# * **every stream keeps the client's contract**: falsified if any measurable check fails for
+#   any stream.
+# * **token events carry most of a stream's bytes**: the first and last events are fixed costs a
+#   stream spreads over its tokens. Falsified if, in the streams that ran to their token limit,
+#   the median share of bytes in token events is below one half.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-cols = ["prompt", "tokens", "events", "bytes", "bytes_per_token", "empty_deltas", "ttft_s", "duration_s"]
-tables["streams"][cols].describe().loc[["min", "50%", "max"]]
+contract = run(wire.CONTRACT, target)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-display(Markdown(wire.findings(tables)))
+contract.scale()
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-figures = wire.plot(tables)
-written = save_run(wire, config, profile, tables, elapsed, figures, machine=progress.machine)
-print("figures:", ", ".join(p.name for p in written["figures"]), "| results:", written["results"])
+contract.table("checks")
 
 # %% [markdown]
-# ## Beside the chapter
-#
-# The chapter ran this experiment with GPT-2 small on a GPU. Its wire cost does not depend on
-# the hardware: it is set by the schema and by how long the ids and text of each token are, so
-# the two should differ only by the tokenizer and the kind of text the model writes.
+# What a stream costs: bytes per token counts the whole stream (first and last events included)
+# against its tokens; `token_share` is the token events' part of the bytes (median and min–max
+# over the streams that ran to their limit).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-chapter.wire_beside(tables)
-
-# %% [markdown]
-# ## Verdicts
-#
-# The table gives each hypothesis, what would have falsified it and the evidence from this run;
-# the checked lines below it carry no numbers, so they read the same under every profile while
-# the effect holds.
+contract.table("sizes")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-verdict_table(wire.verdicts(tables))
+contract.verdict_table()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(verdict_lines(wire.verdicts(tables)))
+print(contract.checked())
+
+# %% [markdown]
+# ### Beside the chapter
+#
+# The chapter ran this with GPT-2 small on a GPU. A stream's size does not depend on the
+# hardware: it is set by the schema and by the ids and text of each token, so the two runs should
+# differ only by the tokenizer, the kind of text the model writes and, for the whole stream, the
+# number of tokens (the scale table above).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(quiet_line(progress.machine))
+contract.table("beside_chapter")
 
 # %% [markdown]
 # A stream that passes every check can be read by any client that follows the SSE rules: one
 # `start`, the tokens in order, exactly one terminal event, and a last event id that says how
-# many events arrived, which is what a reconnecting client sends back. Per-token cost is only
-# compared over streams that ran to their limit: a model may end an answer early with its
-# end-of-sequence token (SmolLM2-Instruct, given a bare prompt rather than its chat template,
-# does), and such a stream spreads its `start` and `done` over few tokens. That closing
-# token's event has no text and is not counted as an empty delta; a genuine empty delta would be
-# a token holding only part of a character. Notebook 04 sets a stream's size against what the
-# connection holds before a writer has to wait.
+# many events arrived. An empty text delta is a token holding only part of a character (the
+# detokenizer waits for the rest), or a special token with no text.
+
+# %% [markdown]
+# ## 3. Awkward input: our parser beside httpx-sse
+#
+# Each case is a few bytes cut into reads (` | ` separates them), as a socket might deliver them,
+# with the WHATWG rule it exercises and the events that rule prescribes. Both parsers are fed read
+# by read; each event is shown with `@` the read after which it came out (`@end`: only when the
+# stream closed). httpx-sse is read through its public API, an `EventSource` over an httpx
+# response whose body arrives in those reads.
+#
+# * **our parser follows the WHATWG rules on every awkward case**: falsified by any case whose
+#   events differ from the prescribed ones.
+# * **where both follow the rules, the two parsers dispatch the same events**: falsified by a case
+#   both handle by the rules but with different events (handing an event out a read later is a
+#   difference in timing, listed in the evidence, not in the events).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+awkward = run(wire.AWKWARD, target)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+awkward.table().drop(columns="repetition").style.hide(axis="index").set_properties(**{"text-align": "left"})
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+awkward.verdict_table()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(awkward.checked())
+
+# %% [markdown]
+# Look at the byte order mark, the blank line inside a payload (the rest of the payload is lost,
+# which is why the lab's payloads are JSON, where a newline is always escaped), and the cases that
+# end a read on a CR: a CR may be half of a CRLF, and a parser that waits for the next read to
+# find out hands the event out later than one that ends the line at once and drops a following
+# LF. Notebook 04 sets a stream's size against what the connection holds before a writer waits.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+target.close()

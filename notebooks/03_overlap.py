@@ -122,7 +122,8 @@ levels.plot();
 # * **invariant costs no more**: the invariant step costs at most 1.15× the plain one at every
 #   batch. Falsified by a median ratio above that at any batch.
 # * **a step for many is cheap**: a step of the largest batch costs less than half as many times
-#   a step of one as it has sequences (invariant mode). Falsified at or above that.
+#   a step of one as it has sequences (invariant mode). Falsified at or above that. Both are
+#   timings, so neither is checked by CI: the table is the evidence.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -139,10 +140,6 @@ step_cost.table("marginal")
 # %%
 # NBVAL_IGNORE_OUTPUT
 step_cost.verdict_table()
-
-# %%
-# NBVAL_CHECK_OUTPUT
-print(step_cost.checked())
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -16,111 +16,165 @@
 # %% [markdown]
 # # 4. Where backpressure begins
 #
-# Between the engine and a reader sit several buffers the application never sees: uvicorn's
-# write buffer, the server's socket send buffer and the client's receive buffer. A client that
-# connects, sends its request and then reads nothing shows how much they hold together. The
-# server writes SSE events of a fixed size as fast as the connection takes them and times every
-# write; the first write that does not return within the block threshold marks where the writer
-# had to wait. Event sizes (settings, not measurements): about an ordinary token event, then
-# 1 KiB, 16 KiB and 64 KiB, repeated in the order A B C D, A B C D, … The kernel's own limits
-# (`net.ipv4.tcp_wmem` and `tcp_rmem`) are read from `/proc` in the same run and drawn as
-# reference lines; one ordinary token stream is read to the end to turn bytes into tokens.
+# Between the engine and a reader sit buffers the application never sees: uvicorn's write
+# buffer, the server's socket send buffer and the client's receive buffer. A client that connects,
+# sends its request and then reads nothing shows how much they hold together. Two witnesses:
 #
-# ## Hypotheses, and what would falsify each (stated before measuring)
+# 1. **The server's own** (labkit's lab routes): `POST /lab/flood` writes events of one size as
+#    fast as the connection takes them and times every write; the first write that does not return
+#    within the block threshold marks where the writer had to wait. The client, which never reads,
+#    asks the kernel how many bytes wait in its own receive buffer (`FIONREAD`) at that moment,
+#    then leaves. The kernel's limits (`net.ipv4.tcp_wmem`, `tcp_rmem`) are read from `/proc` in
+#    the same run.
+# 2. **The client's** (any server): a client cannot see a server's write block, only what waits
+#    for it. An ordinary stream is left unread until it has settled (see section 2), then read.
 #
-# - **every_flood_blocks**: a client that reads nothing makes the server's write block once the
-#   buffers are full. Falsified if any flood ends, or times out, without a blocked write.
-# - **server_finishes_after_leave**: after the client leaves by RST the server ends the response.
-#   Falsified if any response is still unfinished at the timeout.
-# - **bounded_by_the_kernel**: what the path absorbs is at most the kernel's largest send buffer
-#   (`tcp_wmem` max) plus the client's receive buffer, the server transport's high-water mark and
-#   one event. Falsified if any flood accepted more.
-# - **send_buffer_grows**: the server's side holds more than the kernel's default send buffer
-#   (`tcp_wmem` default): Linux grows it while data waits. Falsified if any flood's bytes on the
-#   server's side (accepted minus what sat in the client) are at most that default.
-# - **bytes_not_events**: the buffers hold bytes, not events: the amount absorbed hardly depends
-#   on the event size. Falsified if the medians of two event sizes differ by more than 1.5×
-#   (the criterion, fixed before measuring).
+# Each measurement below is one cell: change a size in the call (`run(buffers.FLOOD, target,
+# repetitions=5)`) and re-run that cell alone; the tables under it read the result it kept.
 
 # %% tags=["parameters"]
-# Parameters: papermill replaces this cell's values (`papermill -p profile_name ci`).
-# "full": SmolLM2-135M at the chapter's sizes; "ci": the tiny random GPT-2, a test run.
-# LABKIT_PROFILE in the environment that started Jupyter overrides the default.
+# Parameters (papermill replaces these: `papermill -p profile_name ci`). "full": SmolLM2-135M at
+# the chapter's sizes; "ci": the tiny random GPT-2, a test run. LABKIT_PROFILE in the environment
+# that started Jupyter sets the default. target_url "": labkit in a background thread; a URL:
+# any OpenAI-compatible server (the measurements it cannot witness say so).
 import os
 
 profile_name = os.environ.get("LABKIT_PROFILE", "full")
-model_name = ""  # "" runs the profile's model
+model_name = ""
+target_url = ""
+device = "cpu"
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-import labkit
-from labkit.experiments import chapter, buffers
-from labkit.experiments.results import save_run
-from labkit.experiments.notebook import settings_table, setup_notebook
-from labkit.experiments.progress import measuring
-from labkit.experiments.readings import quiet_line, verdict_lines, verdict_table
-from IPython.display import Markdown, display
+from labkit.experiments import buffers
+from labkit.lab import run, setup, target_for
 
-profile = setup_notebook(profile_name, model_name, notebook="04_buffers")
-config = buffers.Config.for_profile(profile)
-settings_table(config)
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-with measuring(buffers, config, profile) as progress, labkit.serve_in_thread(**buffers.server_options(config)) as server:
-    print(f"serving {server.engine.model.name} at {server.url}, batch limit {server.config.engine.max_batch}")
-    tables = buffers.run(config, server=server, progress=progress)
-elapsed = progress.elapsed_s
-print(quiet_line(progress.machine))
-
-# %%
-# NBVAL_CHECK_OUTPUT
-print(buffers.report(tables))
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-tables['by_size']
+profile = setup("04_buffers", profile_name, model_name, device=device)
+target = target_for(profile, target_url, device=device)
+target
 
 # %% [markdown]
-# `client_unread` is what sat in the client's own receive buffer when the writer blocked, read
-# with `FIONREAD`; the rest of what was accepted waited on the server's side. The kernel's limits
-# on those buffers (minimum, default, maximum, in bytes) bound the answer:
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-tables['kernel']
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-figures = buffers.plot(tables)
-written = save_run(buffers, config, profile, tables, elapsed, figures, machine=progress.machine)
-print("figures:", ", ".join(p.name for p in written["figures"]), "| results:", written["results"])
-
-# %% [markdown]
-# ## Beside the chapter
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-chapter.buffers_beside(tables)
-
-# %% [markdown]
-# ## Verdicts
+# ## 1. A client that never reads
 #
-# The chapter's figure came from its own machine (see the table above); on Linux the answer is a
-# property of the kernel's settings, not of the application, so read it against the reference
-# lines. Then ask what it means in tokens: how many ordinary token events fit before a writer
-# blocks, and how many of the largest events of this run (a size set above, not measured) — the
-# kind of padded event that makes a slow reader felt in notebook 05.
+# Event sizes are settings, not measurements: about an ordinary token event, then larger ones
+# (the scale table lists them), repeated in the order A B C D, A B C D, … One ordinary stream is
+# also read before the floods, to size a real token event, so bytes can be read as tokens.
+#
+# * **every flood blocks**: a client that reads nothing makes the server's write block once the
+#   buffers are full. Falsified if any flood ends, or reaches its time limit, without a blocked
+#   write.
+# * **the server finishes after the leave**: after the client leaves by RST the server ends the
+#   response. Falsified if any response is still unfinished at the time limit.
+# * **bounded by the kernel**: what the path absorbs is at most the kernel's largest send buffer
+#   (`tcp_wmem` max) plus the client's receive buffer, the server transport's high-water mark and
+#   one event. Falsified if any flood accepted more. (Unclear where the server's kernel is not
+#   this machine's, or there is no `/proc`.)
+# * **the send buffer grows**: the server's side holds more than the kernel's default send buffer
+#   (`tcp_wmem` default): Linux grows it while data waits. Falsified if any flood's bytes on the
+#   server's side (accepted minus what sat in the client) are at most that default.
+# * **bytes, not events**: the buffers hold bytes, so the amount absorbed hardly depends on the
+#   event size. Falsified if the 95-percent interval of the ratio of the largest median to the smallest
+#   (by event size) lies wholly above 1.5; unclear if it straddles 1.5.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-verdicts = buffers.verdicts(tables)
-display(Markdown(buffers.findings(tables)))
-verdict_table(verdicts)
+flood = run(buffers.FLOOD, target)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+flood.scale()
 
 # %% [markdown]
-# The verdicts that hold on any model (the kernel is the same under every profile; checked by CI):
+# Per event size, median and min–max over the repetitions: bytes accepted before a write blocked,
+# what sat in the client's receive buffer then (`FIONREAD`, the response head included), the rest
+# on the server's side, and the same amount counted in events of this size and in ordinary token
+# events (`token_events_held`).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+flood.table("by_size")
+
+# %% [markdown]
+# The kernel's limits on those buffers (minimum, default, maximum, in bytes), read in this run:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+flood.table("kernel")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+flood.verdict_table()
+
+# %% [markdown]
+# The verdicts that must come out the same under every profile (the kernel is the same; checked
+# by CI):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(verdict_lines(v for v in verdicts if v.name in buffers.CHECKED))
+print(flood.checked())
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+flood.plot();
+
+# %% [markdown]
+# ### Beside the chapter
+#
+# The chapter's figures came from its own machine, under Windows. On Linux the answer is a
+# property of the kernel's settings, not of the application: read it against the kernel table
+# and the reference lines of the figure.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+flood.table("beside_chapter")
+
+# %% [markdown]
+# Read `token_events_held` for what this means to a reader: the path holds that many ordinary
+# token events before a writer waits, far more than any one answer has, while only a few of the
+# largest events fill it. A slow reader of ordinary tokens is felt by the server only after a long
+# while; padded or very large events (notebook 05) make it felt at once.
+
+# %% [markdown]
+# ## 2. An ordinary stream, left unread, then read
+#
+# What a client can see of the same buffers against any server. A few ordinary streams are sent
+# at once beside one stream read as usual; in one batch they all end together. Each of the others
+# is left unread until the stream read as usual has ended and the bytes waiting in its receive
+# buffer (`FIONREAD`) have not grown for a number of that stream's token gaps (the settings:
+# counted in gaps, so a slower engine holds longer); then it is read. What arrives within one
+# token gap of the first byte read came faster than anything can be generated: it was waiting,
+# in the client's buffer or the server's. Where the server keeps records (lab routes), it also
+# says whether it had written the whole stream before the client read a byte.
+#
+# * **an unread stream waits whole in the buffers**: a stream of ordinary tokens fits between
+#   the server and a reader that has stopped, so its writer never waits. Falsified if any held
+#   stream's end arrives later than one token gap after its first byte read, or the server's
+#   record shows it had not written it all before the client read.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+unread = run(buffers.UNREAD, target)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+unread.table()
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+unread.verdict_table()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(unread.checked())
+
+# %% [markdown]
+# `waiting_bytes` is what the client's own receive buffer held (the head included); the body
+# column is the whole stream. Where the first is the larger, the whole answer sat in the client's
+# buffer before it read a byte: the server had long finished and freed the sequence, whatever the
+# reader did next. This is why a stop in reading is invisible to a server until the buffers of
+# the first section fill, and why notebook 06 detects a reader that has gone by its connection,
+# not by its writes.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+target.close()

@@ -1,5 +1,5 @@
-"""Prompts admitted together are prefilled in one packed pass, and nothing about a prompt's
-numbers depends on who it was packed with: logits, cached K/V and every token after them."""
+"""Prompts admitted together share the step's pass, within its token budget, and nothing about a
+prompt's numbers depends on who it was packed with: logits, cached K/V and every token after them."""
 from __future__ import annotations
 
 import random
@@ -40,19 +40,22 @@ def test_a_prompt_gets_the_same_logits_whatever_it_is_packed_with(tiny_llama: Lo
             assert torch.equal(out[where], target), f"packed with {others} at {where}"
 
 
-def test_packed_prefill_is_one_pass_per_layer_within_the_token_budget(tiny_gpt2: LoadedModel, monkeypatch) -> None:
-    runner = make_runner(tiny_gpt2, num_blocks=128, max_prefill_tokens=50)
-    prompts = _random_prompts(6, seed=3, vocab=tiny_gpt2.vocab_size)
-    prompts = [p[:20] + [7] * max(0, 20 - len(p)) for p in prompts]  # six prompts of 20 tokens
-    tables = shuffled_tables(6, 6, 128, seed=3)
+def test_a_steps_decodes_and_prompt_chunks_share_one_pass_within_the_token_budget(tiny_gpt2: LoadedModel,
+                                                                                   monkeypatch) -> None:
+    engine = make_engine(tiny_gpt2, step_tokens=50)
     calls = []
-    original = runner.network.qkv
-    monkeypatch.setattr(runner.network, "qkv", lambda layer, x, *a: calls.append(x.shape[0]) or original(layer, x, *a))
-    out = runner.prefill_many(prompts, tables)
-    layers = runner.network.shape.num_layers
-    assert calls == [40] * layers * 3, "two prompts of 20 per pass under a budget of 50 tokens"
-    assert torch.equal(out, torch.stack([make_runner(tiny_gpt2, num_blocks=128).prefill(p, t)
-                                         for p, t in zip(prompts, tables)]))
+    original = engine.runner.network.qkv
+    monkeypatch.setattr(engine.runner.network, "qkv",
+                        lambda layer, x, *a: calls.append(x.shape[0]) or original(layer, x, *a))
+    for i in range(6):
+        engine.submit([7 + i] * 20, max_new_tokens=4, ignore_eos=True)  # six prompts of 20 tokens
+    layers = engine.runner.network.shape.num_layers
+    engine.step()  # prompts 0 and 1 whole, 10 tokens of prompt 2
+    assert calls == [50] * layers
+    calls.clear()
+    engine.step()  # 2 decodes, the other 10 of prompt 2, prompt 3 whole, 18 tokens of prompt 4
+    assert calls == [50] * layers
+    assert [r.decoded for r in engine.step_log] == [0, 2] and [r.prefill_tokens for r in engine.step_log] == [50, 48]
 
 
 def test_prefill_many_refuses_mismatched_or_empty_input(tiny_gpt2: LoadedModel) -> None:
@@ -63,16 +66,18 @@ def test_prefill_many_refuses_mismatched_or_empty_input(tiny_gpt2: LoadedModel) 
         runner.prefill_many([[1], []], [[0], [1]])
 
 
-def test_engine_prefills_the_prompts_it_admits_together_in_one_call(tiny_gpt2: LoadedModel, monkeypatch) -> None:
-    engine = make_engine(tiny_gpt2)
+def test_unchunked_engine_prefills_every_prompt_it_admits_whole_in_one_pass(tiny_gpt2: LoadedModel,
+                                                                             monkeypatch) -> None:
+    engine = make_engine(tiny_gpt2, step_tokens=None)
     calls = []
-    original = engine.runner.prefill_packs
-    monkeypatch.setattr(engine.runner, "prefill_packs", lambda prompts, tables: calls.append(len(prompts))
-                        or original(prompts, tables))
-    for p in PROMPTS[:5]:
+    original = engine.runner.forward
+    monkeypatch.setattr(engine.runner, "forward", lambda chunks, sample: calls.append(
+        [(len(c.token_ids), c.start, s) for c, s in zip(chunks, sample)]) or original(chunks, sample))
+    prompts = PROMPTS[:5]
+    for p in prompts:
         engine.submit(p, max_new_tokens=3)
     drain(engine)
-    assert calls == [5]
+    assert calls[0] == [(len(engine.encode(p)), 0, True) for p in prompts]
     assert engine.stats()["prefills"] == 5
 
 
@@ -89,18 +94,13 @@ def test_prompts_admitted_together_generate_what_each_generates_alone(tiny_model
         assert outcomes[rid].tokens == drain(alone)[solo_rid].tokens, prompt
 
 
-def test_each_pass_hands_out_its_first_tokens_before_the_next_pass_runs(tiny_gpt2: LoadedModel, monkeypatch) -> None:
-    engine = make_engine(tiny_gpt2)
-    engine.runner.max_prefill_tokens = 12
-    log = []
-    original = engine.runner._prefill_packed
-    monkeypatch.setattr(engine.runner, "_prefill_packed",
-                        lambda prompts, tables: log.append(("pass", len(prompts))) or original(prompts, tables))
-    rids = [engine.submit([5 + i] * 5, max_new_tokens=2) for i in range(6)]  # 5 tokens each: two per pass
-    engine.step(lambda event: log.append(("token", event.rid)))
-    assert log == [("pass", 2), ("token", rids[0]), ("token", rids[1]),
-                   ("pass", 2), ("token", rids[2]), ("token", rids[3]),
-                   ("pass", 2), ("token", rids[4]), ("token", rids[5])]
+def test_a_prompts_first_token_comes_from_the_step_that_runs_its_last_chunk(tiny_gpt2: LoadedModel) -> None:
+    engine = make_engine(tiny_gpt2, step_tokens=12)
+    rids = [engine.submit([5 + i] * 5, max_new_tokens=2) for i in range(6)]  # 5 tokens each
+    first = [e.rid for e in engine.step()]  # prompts 0 and 1 whole, 2 tokens of prompt 2
+    second = [e.rid for e in engine.step()]  # decodes of 0 and 1, then the rest of 2, all of 3, 2 tokens of 4
+    assert first == [rids[0], rids[1]]
+    assert second == [rids[0], rids[0], rids[1], rids[1], rids[2], rids[3]]  # a token, then each one's finish
 
 
 @pytest.mark.slow

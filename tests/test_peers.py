@@ -7,16 +7,13 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from target_helpers import labkit_serve_process, quirky_stub, uvicorn_in_thread
 
 from labkit.experiments import peers
 from labkit.experiments.profiles import Profile
 from labkit.experiments.target import TargetError
 from labkit.experiments.target_cli import measure_target
-from labkit.experiments.target_leak import ENDINGS
 from labkit.experiments.target_probe import connect
 from labkit.experiments.target_runs import OverlapConfig, run_overlap
-from labkit.experiments.target_slow import SlowConfig, run_slow
 
 
 @pytest.fixture
@@ -49,38 +46,6 @@ def test_both_servers_run_in_this_interpreter_with_the_same_cache_and_weights() 
 def test_a_model_the_peer_cannot_serve_from_a_saved_folder_is_refused() -> None:
     with pytest.raises(ValueError, match="saved Llama folder"):
         peers.Config.for_profile(Profile("ci"))  # tiny-gpt2
-
-
-@pytest.mark.parametrize("bad", [{"slow": (1, 2)}, {"read_ratio": 0.8}, {"repetitions": 2}])
-def test_a_slow_probe_without_a_baseline_or_with_readers_that_keep_up_is_refused(bad) -> None:
-    with pytest.raises(ValueError, match="SlowConfig"):
-        SlowConfig(**bad)
-
-
-# --------------------------------------------------------------------------- the slow-reader probe
-
-
-@pytest.mark.slow
-def test_slow_readers_against_labkit_read_at_most_half_its_write_rate_beside_a_same_run_baseline() -> None:
-    with labkit_serve_process("--max-batch", "8") as (url, _proc):
-        config = SlowConfig(healthy=2, slow=(0, 2), max_tokens=12, repetitions=3)
-        tables = run_slow(connect(url), config)
-    runs, effects = tables["runs"], tables["effects"].set_index("slow_readers")
-    assert list(runs.slow_readers) == [0, 2] * 3  # interleaved
-    assert (runs.healthy_errors == 0).all() and (runs.healthy_tokens == 2 * 12).all()
-    assert (runs[runs.slow_readers == 2].achieved_ratio <= 0.5).all()
-    assert (runs[runs.slow_readers == 2].slow_bytes_read > 0).all()
-    assert effects.loc[0, "effect"] == pytest.approx(1.0)  # k = 0 against its own median
-    assert (tables["unavailable"].status == "not available").all()
-
-
-@pytest.mark.slow
-def test_slow_readers_against_a_server_without_done_or_usage_complete(out) -> None:
-    with uvicorn_in_thread(quirky_stub()) as url:
-        tables = measure_target("slowclient", connect(url), Profile("ci"), healthy=2, slow=(0, 1), max_tokens=8)
-    runs = tables["runs"]
-    assert (runs.healthy_errors == 0).all() and (runs.healthy_tokens == 2 * 8).all()
-    assert (out / "data" / "target-slowclient" / "effects.csv").exists()
 
 
 # --------------------------------------------------------------------------- the servers as processes
@@ -121,29 +86,7 @@ def test_transformers_serve_is_probed_not_named_and_runs_overlap_to_max_tokens(t
     assert (runs.tokens == runs.level * 6).all()
 
 
-# --------------------------------------------------------------------------- the leak test over HTTP
-
-
-@pytest.mark.slow
-def test_after_streams_ended_every_way_labkit_is_back_where_it_started(out) -> None:
-    with labkit_serve_process("--max-batch", "8") as (url, proc):
-        tables = measure_target("leak", connect(url, pid=proc.pid), Profile("ci"), streams=16, concurrency=8)
-    endings, state = tables["endings"], tables["state"].set_index("witness")
-    assert set(endings.ending) == {name for name, _ in ENDINGS} and (endings.streams == 4).all()
-    assert (endings.errors == 0).all() and endings.set_index("ending").left["read to the end"] == 0
-    assert state.loc["free_blocks", "back"] == "yes" and state.loc["running", "after"] == 0
-    assert state.loc["open_streams", "after"] == 0
-    assert state.loc["cpu_s_per_s", "back"] == "yes", state
-
-
-@pytest.mark.slow
-def test_the_leak_test_against_a_server_without_internals_says_what_it_cannot_see(out) -> None:
-    with uvicorn_in_thread(quirky_stub()) as url:
-        tables = measure_target("leak", connect(url), Profile("ci"), streams=8, concurrency=4, max_tokens=8)
-    state = tables["state"].set_index("witness")
-    assert state.loc["free_blocks", "back"].startswith("not available")
-    assert state.loc["cpu_s_per_s", "back"] == "not available (no pid given)"
-    assert tables["endings"].errors.sum() == 0
+# --------------------------------------------------------------------------- verdicts
 
 
 def test_a_disconnect_round_whose_streams_ended_before_the_leave_gives_no_stop_verdict() -> None:

@@ -4,16 +4,22 @@ Each test runs a real server with one setting made small and plays the client th
 deal on a raw socket: says nothing, sends its head a byte at a time (slowloris), stops halfway
 through its body, never reads its response, or arrives while too many connections are open.
 Before these guards uvicorn held every such socket for as long as the client liked.
+
+The cap counts connections being served, not sockets: before issue 25 it counted every open
+socket at each request, so sockets that never sent a byte got a served keep-alive client 503.
 """
 from __future__ import annotations
 
 import json
 import re
+import select
 import socket
+import threading
 import time
 from typing import Any
 
 import httpx
+import pytest
 from service_helpers import TIMEOUT, RawClient, lab_server, wait_until
 
 
@@ -93,18 +99,113 @@ def test_a_body_that_stops_halfway_gets_408_and_the_connection_is_closed(tiny_gp
         assert server.hub.stats().ends == {}  # nothing was submitted
 
 
-def test_requests_beyond_the_connection_cap_get_503_with_retry_after(tiny_gpt2: Any) -> None:
+def ask(sock: socket.socket, path: str = "/healthz") -> int:
+    """One GET on a kept-alive raw connection; the status of its answer."""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    data = bytearray()
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection instead of answering"
+        data += chunk
+    head, _, body = bytes(data).partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: (\d+)", head)[1])  # type: ignore[index]
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split()[1])
+
+
+def served(server: Any, count: int) -> list[socket.socket]:
+    """``count`` keep-alive connections, each served one request: each holds a slot until it closes."""
+    held = [connect(server) for _ in range(count)]
+    assert [ask(sock) for sock in held] == [200] * count
+    return held
+
+
+def test_a_request_beyond_the_connection_cap_gets_503_with_retry_after(tiny_gpt2: Any) -> None:
     with lab_server(tiny_gpt2, max_connections=3, retry_after_s=2) as server:
-        held = [connect(server) for _ in range(3)]
+        held = served(server, 3)
         with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
             refused = client.get("/healthz")
         assert refused.status_code == 503 and refused.headers["retry-after"] == "2"
         assert refused.json()["error"]["type"] == "over_capacity"
+        assert refused.headers["connection"] == "close"
         for sock in held:
             sock.close()
         wait_until(lambda: httpx.get(server.url + "/healthz", timeout=TIMEOUT).status_code == 200,
                    what="a request to be served once the held connections closed")
         assert closes(server)["over_capacity"] >= 1
+
+
+def test_sockets_that_send_nothing_never_cost_a_client_that_does(tiny_gpt2: Any) -> None:
+    """The attack of issue 25: sockets that never send, re-opened as the idle timeout closes them,
+    so that more than ``max_connections`` are always open. A client polling on its keep-alive
+    connection, and a new client on a new one, must be served every time."""
+    with lab_server(tiny_gpt2, max_connections=3, idle_timeout=0.3) as server:
+        stop, silent = threading.Event(), []
+
+        def keep_silent_sockets_open() -> None:
+            while not stop.is_set():
+                while len(silent) < 10:
+                    silent.append(connect(server))
+                for sock in list(silent):  # the idle timeout closed it: open another
+                    if select.select([sock], [], [], 0)[0]:
+                        silent.remove(sock)
+                        sock.close()
+                time.sleep(0.01)
+
+        attacker = threading.Thread(target=keep_silent_sockets_open)
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as polling:
+            assert polling.get("/healthz").status_code == 200  # established before the attack
+            attacker.start()
+            try:
+                wait_until(lambda: len(silent) >= 10, what="the silent sockets")
+                statuses = []
+                for _ in range(8):
+                    statuses.append(polling.get("/healthz").status_code)
+                    statuses.append(httpx.get(server.url + "/healthz", timeout=TIMEOUT).status_code)
+                    time.sleep(0.1)
+            finally:
+                stop.set()
+                attacker.join(TIMEOUT)
+                for sock in silent:
+                    sock.close()
+        assert statuses == [200] * 16, statuses
+        assert "over_capacity" not in closes(server)
+
+
+def test_a_burst_beyond_the_cap_serves_the_cap_and_refuses_only_the_rest(tiny_gpt2: Any) -> None:
+    """30 clients connect, then each sends a stream request: the first 20 requests take the 20
+    slots and are served whole; the other 10 get 503 with Retry-After and the envelope."""
+    with lab_server(tiny_gpt2, max_connections=20) as server:
+        clients = [RawClient(server.url) for _ in range(30)]
+        for client in clients:
+            client.post("/v1/stream", {"prompt": "Hello", "max_new_tokens": 4})
+        for client in clients:
+            client.read_to_end()
+        served_whole = [c for c in clients if c.status == 200 and c.events[-1][0] == "done"]
+        refused = [c for c in clients if c.status == 503]
+        assert (len(served_whole), len(refused)) == (20, 10), [c.status for c in clients]
+        for client in refused:
+            assert client.headers["retry-after"] == "1" and client.json()["error"]["type"] == "over_capacity"
+        for client in clients:
+            client.close_fin()
+
+
+def test_the_oldest_silent_connection_is_closed_when_too_many_wait(tiny_gpt2: Any) -> None:
+    """Silent connections hold no slot, but their number is bounded too: a new one beyond
+    ``max_pending_connections`` closes the one that has waited longest, never a served one."""
+    with lab_server(tiny_gpt2, max_connections=2, max_pending_connections=3) as server:
+        held = served(server, 1)
+        silent = [connect(server) for _ in range(5)]
+        for sock in silent[:2]:
+            assert read_until_closed(sock) == b""
+        for sock in silent[2:]:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            assert status_and_body(read_until_closed(sock))[0] == 200
+        assert ask(held[0]) == 200
+        for sock in silent + held:
+            sock.close()
+        assert closes(server)["crowded_out"] == 2
 
 
 def test_a_client_that_stops_reading_is_cut_off_after_the_send_timeout(tiny_gpt2: Any) -> None:
@@ -135,3 +236,51 @@ def test_a_slow_but_steady_reader_is_not_cut_off(tiny_gpt2: Any) -> None:
         reader.close_fin()
         assert len(received) > 8 * 64 * 1024
         assert "send_timeout" not in closes(server)
+
+
+# -- framing ------------------------------------------------------------------------------------
+GENERATE = b'{"prompt": "Hello", "max_new_tokens": 2}'
+
+
+def test_a_request_with_both_content_length_and_transfer_encoding_is_answered_then_closed(tiny_gpt2: Any) -> None:
+    """RFC 9112 6.1: chunked framing wins (as h11 reads it), and the server must close the
+    connection after answering, so a request smuggled behind it is never served."""
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(GENERATE), GENERATE)
+    with lab_server(tiny_gpt2) as server:
+        sock = connect(server)
+        sock.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked
+                     + b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        raw = read_until_closed(sock)
+        sock.close()
+    assert raw.count(b"HTTP/1.1 ") == 1, raw  # the pipelined request was never served
+    status, body, headers = status_and_body(raw)
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    assert headers["connection"] == "close"
+
+
+def test_a_client_that_half_closes_has_left_even_after_a_whole_request(tiny_gpt2: Any) -> None:
+    """Issue 25 asked whether ``shutdown(SHUT_WR)`` after a whole request should be answered. It is
+    taken as the client leaving, as nginx takes it for a proxied request (``proxy_ignore_client_abort``
+    off) and as the experiments leave "by FIN": a generation nobody waits for is not worth a batch
+    slot. This client keeps reading, as a FIN-leaver drains; the server cancels and closes."""
+    with lab_server(tiny_gpt2) as server:
+        client = RawClient(server.url).post("/v1/stream", {"prompt": "Hello", "max_new_tokens": 400})
+        rid = client.read_events(2)[0][1]["request_id"]
+        client.sock.shutdown(socket.SHUT_WR)
+        read_until_closed(client.sock)
+        client.sock.close()
+        record = server.hub.record(rid)
+        wait_until(lambda: record.released is not None, what="the cancel")
+        assert record.finish_reason == "cancelled" and record.tokens_generated < 400
+
+
+def test_a_client_that_half_closes_in_the_middle_of_its_body_is_not_served(tiny_gpt2: Any) -> None:
+    with lab_server(tiny_gpt2) as server:
+        sock = connect(server)
+        sock.sendall(b"POST /v1/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n" + GENERATE)
+        sock.shutdown(socket.SHUT_WR)
+        assert read_until_closed(sock) == b""
+        sock.close()
+        assert server.hub.stats().ends == {}  # nothing was submitted

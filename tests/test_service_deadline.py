@@ -27,6 +27,12 @@ ROUTES = [
 ]
 
 
+
+@pytest.fixture(scope="module")
+def server_settings() -> dict[str, Any]:
+    return {"docs": True}  # the module's server serves /openapi.json, read by a test below
+
+
 def refusals(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
     for family in text_string_to_metric_families(text):

@@ -1,7 +1,9 @@
 """What every request passes before a route: the Host check, Retry-After on 503, the lab routes'
-opt-in and the flood's bounds."""
+and the API docs' opt-in, and the flood's bounds."""
 from __future__ import annotations
 
+import argparse
+import socket
 from typing import Any
 
 import httpx
@@ -42,6 +44,41 @@ def test_only_loopback_names_are_served_by_default(tiny_gpt2: Any) -> None:
             posted = client.post("/v1/generate", json={"prompt": "Hi", "max_new_tokens": 2},
                                  headers={"Host": "evil.example"})
         assert posted.status_code == 400 and server.hub.stats().ends == {}
+
+
+def raw_get(server: Any, head: bytes) -> bytes:
+    """One request on a raw socket, read until the server closes."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as sock:
+        sock.sendall(head)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+def test_http_1_0_needs_no_host_and_http_1_1_does(tiny_gpt2: Any) -> None:
+    """Host is optional in HTTP/1.0 (RFC 1945) and mandatory in HTTP/1.1 (RFC 9112 3.2). No browser
+    sends HTTP/1.0, so a request without Host is no DNS-rebinding page; a named host is checked."""
+    with lab_server(tiny_gpt2) as server:
+        assert raw_get(server, b"GET /healthz HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.1 200 ")
+        assert raw_get(server, b"GET /healthz HTTP/1.0\r\nHost: evil.example\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+        assert raw_get(server, b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+
+
+def test_the_api_docs_are_served_only_when_asked_for(tiny_gpt2: Any) -> None:
+    """The docs page loads its scripts from a CDN: a server that never asked for it serves none."""
+    from labkit.server import add_serve_arguments, config_from_args
+
+    with lab_server(tiny_gpt2) as server:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert get(server, path, "localhost").status_code == 404, path
+    with lab_server(tiny_gpt2, docs=True) as server:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert get(server, path, "localhost").status_code == 200, path
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert config_from_args(parser.parse_args([])).http.docs is False
+    assert config_from_args(parser.parse_args(["--docs"])).http.docs is True
 
 
 def test_allowed_hosts_are_configurable(tiny_gpt2: Any) -> None:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -166,3 +168,97 @@ def test_token_id_prompts_within_the_bound_still_validate() -> None:
 
     assert CompletionRequest.model_validate({"prompt": [1, 2.0, 3]}).prompt == [1, 2, 3]
     assert CompletionRequest.model_validate({"prompt": [[5, 6]]}).prompt == [[5, 6]]
+
+
+# -- large bodies ---------------------------------------------------------------------------------
+def chat_with_parts(messages: int, parts: int) -> bytes:
+    """A chat body of ``messages`` user messages of ``parts`` empty text parts each: a short prompt
+    in a large body (256 x 64 is the issue's 520 KB), so only the body's own cost is measured."""
+    content = [{"type": "text", "text": ""}] * parts
+    body = {"messages": [{"role": "user", "content": content}] * messages, "max_tokens": 1}
+    return json.dumps(body).encode()
+
+
+def post_json(server: Any, path: str, data: bytes) -> httpx.Response:
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        return client.post(path, content=data, headers={"content-type": "application/json"})
+
+
+def test_chat_content_parts_are_bounded_in_all(tiny_gpt2: Any) -> None:
+    """256 messages of 64 parts each were 16,384 models to validate, ~40 ms of the event loop each
+    body; the total is bounded before any part is validated."""
+    from labkit.service.intake import MAX_CONTENT_PARTS, MAX_TOTAL_PARTS
+
+    with lab_server(tiny_gpt2) as server:
+        at_bound = post_json(server, "/v1/chat/completions",
+                             chat_with_parts(MAX_TOTAL_PARTS // MAX_CONTENT_PARTS, MAX_CONTENT_PARTS))
+        over = post_json(server, "/v1/chat/completions", chat_with_parts(256, 64))
+    assert at_bound.status_code == 200, at_bound.text
+    assert over.status_code == 422, over.text
+    error = over.json()["error"]
+    assert error["type"] == "invalid_request" and f"at most {MAX_TOTAL_PARTS} content parts" in error["message"]
+
+
+def test_a_large_body_is_parsed_and_validated_off_the_event_loop(tiny_gpt2: Any,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread that parsed each body, seen by a spy: a large one in a worker thread (the loop's
+    thread is labkit-uvicorn), a small one not at all (in place, by FastAPI)."""
+    from labkit.service import intake
+
+    parsed_in: list[str] = []
+    parse_body = intake.parse_body
+
+    def spy(*args: Any) -> Any:
+        parsed_in.append(threading.current_thread().name)
+        return parse_body(*args)
+
+    monkeypatch.setattr(intake, "parse_body", spy)
+    large = chat_with_parts(16, 64)  # 1,024 parts: 40 KB
+    assert len(large) > intake.INLINE_BODY_BYTES
+    with lab_server(tiny_gpt2) as server:
+        assert post_json(server, "/v1/chat/completions", large).status_code == 200
+        assert post_json(server, "/v1/chat/completions", chat_with_parts(1, 1)).status_code == 200
+        bad = post_json(server, "/v1/chat/completions", large[:-1])  # a JSON error, found in the thread
+        assert bad.status_code == 422 and bad.json()["error"]["message"].startswith("invalid JSON"), bad.text
+    assert parsed_in == ["labkit-tokenize"] * 2, parsed_in
+
+
+def loop_cpu(server: Any) -> float:
+    """CPU seconds the server's event-loop thread has used so far."""
+    async def read() -> float:
+        return time.thread_time()
+
+    return asyncio.run_coroutine_threadsafe(read(), server.hub.loop).result(TIMEOUT)
+
+
+def test_sixteen_large_chat_bodies_cost_the_event_loop_about_what_small_ones_do(tiny_gpt2: Any) -> None:
+    """The issue's attack: 16 chat bodies of 256 x 64 parts at once raised a neighbour stream's
+    largest gap from 9 ms to 1.71 s, because the loop parsed and validated each (~40 ms). What the
+    loop's own thread spends on them is compared with what it spends on 16 small bodies: CPU time,
+    which a loaded machine's scheduling does not enter (its wall-clock gaps did, 0.05-1.7 s alone).
+    Before: 1.4-2.4 s of loop CPU against 24-40 ms (45-65x); after: 51-69 ms (about 2x)."""
+    def sixteen_at_once(data: bytes) -> tuple[float, list[int]]:
+        before = loop_cpu(server)
+        with ThreadPoolExecutor(16) as pool:
+            statuses = list(pool.map(lambda _: post_json(server, "/v1/chat/completions", data).status_code, range(16)))
+        return loop_cpu(server) - before, statuses
+
+    with lab_server(tiny_gpt2) as server:
+        small, small_statuses = sixteen_at_once(b'{"messages": []}')
+        large, large_statuses = sixteen_at_once(chat_with_parts(256, 64))
+    assert small_statuses == large_statuses == [422] * 16
+    assert large < 5 * small, (large, small)
+
+
+@pytest.mark.parametrize("make", [
+    lambda pad: b'{"messages": [], "pad": "%s"}' % pad,  # a validation error
+    lambda pad: b'{"messages": [{"role": "user", "content": "hi"}], "pad": "%s"' % pad,  # JSON cut short
+    lambda pad: b'\xff{"pad": "%s"}' % pad,  # not UTF-8
+], ids=["invalid", "truncated", "not-utf8"])
+def test_a_large_body_is_refused_as_a_small_one_would_be(server: Any, make: Any) -> None:
+    """Parsed in a thread (large) or by FastAPI (small), a bad body gets the same refusal."""
+    from labkit.service.intake import INLINE_BODY_BYTES
+
+    small, large = (post_json(server, "/v1/chat/completions", make(b"x" * n)) for n in (8, INLINE_BODY_BYTES))
+    assert small.status_code == large.status_code == 422
+    assert small.json() == large.json()

@@ -28,7 +28,8 @@ WITHOUT_INPUT = ["GET /v1/models", "GET /stats", "GET /healthz", "GET /metrics"]
 def server_settings() -> dict[str, Any]:
     # A 128-token cache and 16 tokens for a chat that names no limit: any request that fits is
     # short, so the fuzz stays fast; one that does not is a documented 422.
-    return {"block_size": 16, "num_blocks": 8, "max_batch": 2, "default_max_tokens": 16}
+    # The schema is served only when asked for (docs).
+    return {"block_size": 16, "num_blocks": 8, "max_batch": 2, "default_max_tokens": 16, "docs": True}
 
 
 @pytest.fixture(scope="module")

@@ -110,7 +110,7 @@ def test_resumable_streams_are_bounded_in_number_and_a_finished_one_frees_its_pl
 
     The two refusals below must come within the grace of the first hang-up (about 40 ms after it
     here): a grace of 1 s leaves room for a slow machine, at the cost of waiting it out at the end."""
-    with lab_server(tiny_gpt2, max_resumable=2, resume_grace=1.0) as server:
+    with lab_server(tiny_gpt2, max_resumable=2, resumable_share=1.0, resume_grace=1.0) as server:
         first = [RawClient(server.url).post("/v1/stream", {**BODY, "max_new_tokens": 300}) for _ in range(2)]
         for client in first:
             client.read_events(2)
@@ -124,6 +124,44 @@ def test_resumable_streams_are_bounded_in_number_and_a_finished_one_frees_its_pl
             wait_until(lambda: len(server.service.resume) == 0, what="the abandoned runs to expire")
             again = http.post("/v1/stream", json={**BODY, "max_new_tokens": 4})
             assert again.status_code == 200
+
+
+def test_a_finished_log_expires_a_fixed_time_after_it_finished_however_often_it_is_replayed(tiny_gpt2: Any) -> None:
+    """Issue 25: a replay re-armed the grace, so a client replaying its finished one-token streams
+    kept them (and every resumable slot) for ever, at no engine cost. The replays here come ten
+    times per grace, for up to twenty graces: only a fixed expiry ends them."""
+    with lab_server(tiny_gpt2, resume_grace=0.5) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        events = sse_post(client, "/v1/stream", {**BODY, "max_new_tokens": 1})[1]
+        rid, token = events[0][1]["request_id"], events[0][1]["resume_token"]
+        statuses = []
+        for _ in range(200):
+            response = client.get(f"/v1/streams/{rid}/events", params={"after": 0}, headers={"X-Resume-Token": token})
+            statuses.append(response.status_code)
+            if response.status_code == 404:
+                break
+            time.sleep(0.05)
+        assert statuses[-1] == 404 and set(statuses[:-1]) == {200}, statuses
+        assert len(server.service.resume) == 0
+
+
+def test_one_client_may_hold_only_its_share_of_the_resumable_streams(tiny_gpt2: Any) -> None:
+    """Clients are told apart by address: 127.0.0.2 is another client on the same loopback."""
+    with lab_server(tiny_gpt2, max_resumable=4, resumable_share=0.5, retry_after_s=3) as server:
+        mine = [RawClient(server.url).post("/v1/stream", {**BODY, "max_new_tokens": 300}) for _ in range(2)]
+        for stream in mine:
+            stream.read_events(2)
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+            refused = http.post("/v1/stream", json={**BODY, "max_new_tokens": 4})
+        assert refused.status_code == 429 and refused.headers["Retry-After"] == "3"
+        error = refused.json()["error"]
+        assert error["type"] == "queue_full" and "resumable_share" in error["message"], error
+        other = httpx.HTTPTransport(local_address="127.0.0.2")
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT, transport=other) as http:
+            served = sse_post(http, "/v1/stream", {**BODY, "max_new_tokens": 4})[1]
+        assert served[-1][0] == "done"
+        for stream in mine:
+            stream.read_to_end()
+            stream.close_fin()
 
 
 # -- only the creator can resume -------------------------------------------------------------------

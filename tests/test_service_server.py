@@ -85,13 +85,15 @@ def test_labkit_serve_drains_open_streams_on_sigint() -> None:
 
 def test_sndbuf_bounds_what_a_client_that_never_reads_can_absorb(tiny_gpt2) -> None:
     """Without the cap Linux grows the send buffer to megabytes; with it the write blocks early."""
-    from labkit.experiments.buffers import Config, flood_once
-    from labkit.experiments.client import run_sync
+    from labkit.experiments import buffers
+    from labkit.lab import Caps, Target, run
 
     with lab_server(tiny_gpt2, sndbuf=65536) as server:
-        record = run_sync(flood_once(server.url, 16384, Config(flood_bytes=8 * 2**20, timeout=20.0)))
-    assert record["blocked"], record
-    assert record["bytes_accepted"] < 2**20, record
+        target = Target(server.url, api="labkit", caps=Caps(native=True, lab=True, stats=True))
+        flood = run(buffers.FLOOD, target, save=False, show=False, event_sizes=(16384,), repetitions=1, flood_mib=8)
+    record = flood.table().iloc[0]
+    assert record.blocked, record
+    assert record.bytes_accepted < 2**20, record
 
 
 @pytest.mark.parametrize("value", [0, 1024, -1])

@@ -1,6 +1,9 @@
-"""Attention over the paged KV cache: a causal pass for a prompt, a batched pass for decode.
+"""Attention over the paged KV cache: one query row per token, each against its own sequence's
+cached positions up to its own.
 
-Decode is where batching could leak between rows. A softmax and the probability-weighted sum
+A prefill chunk's rows are attended the way decode rows are (the runner writes the chunk's K/V
+into the pool first), so a prompt's numbers cannot depend on how it was cut into chunks.
+Batching is where a row could feel its neighbours. A softmax and the probability-weighted sum
 of values are reductions along the context, and a kernel's rounding can change with the length
 it reduces over; padding every row to the longest neighbour would make a row's numbers depend on
 who else is in the batch. So each row attends over a width that depends on its own length only
@@ -23,12 +26,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from labkit.engine.kernels import paged_decode_kernel, why_unavailable
+from labkit.engine.kernels import decide, paged_decode_kernel
 
 DEFAULT_SPAN = 64  # positions; widths are multiples of this (and of the block size)
+GATHER_POSITIONS = 1 << 16  # positions one group's gather copies at most (a long prompt's rows are split)
 ATTENTION_MODES = ("auto", "kernel", "gather")
 
 
@@ -47,12 +50,8 @@ def choose_attention(requested: str, device: torch.device, dtype: torch.dtype) -
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {requested!r}")
     if requested == "gather":
         return AttentionChoice("gather", "asked for")
-    why_not = why_unavailable("paged kernel", device, dtype, paged_decode_kernel)
-    if why_not is None:
-        return AttentionChoice("kernel", "compiled and loaded" if requested == "kernel" else "auto: kernel available")
-    if requested == "kernel":
-        raise ValueError(f"attention='kernel' is unavailable: {why_not}")
-    return AttentionChoice("gather", f"auto: {why_not}")
+    kernel, reason = decide("attention", requested, "paged kernel", device, dtype, paged_decode_kernel)
+    return AttentionChoice("kernel" if kernel else "gather", reason if kernel else f"{reason}; using the gather")
 
 
 @dataclass(frozen=True)
@@ -235,7 +234,7 @@ def plan_decode(
         block_tables[row][positions[row] // block_size] * block_size + positions[row] % block_size for row in order
     ]
     groups = []
-    for start, stop in _runs([widths[row] for row in order]):
+    for start, stop in _runs([widths[row] for row in order], GATHER_POSITIONS):
         rows = order[start:stop]
         blocks = [b for row in rows for b in _padded_table(block_tables[row], widths[row] // block_size)]
         bias = _mask_bias([positions[row] + 1 for row in rows], widths[rows[0]], kv_heads, dtype, device)
@@ -243,10 +242,15 @@ def plan_decode(
     return DecodePlan(order, _long(slots, device), groups)
 
 
-def _runs(values: list[int]) -> list[tuple[int, int]]:
-    """(start, stop) of each run of equal values."""
-    edges = [i for i in range(1, len(values)) if values[i] != values[i - 1]]
-    return list(zip([0] + edges, edges + [len(values)]))
+def _runs(values: list[int], most: int) -> list[tuple[int, int]]:
+    """(start, stop) of each run of equal values, cut where a run's values would sum past ``most``."""
+    runs: list[tuple[int, int]] = []
+    for i, value in enumerate(values):
+        if runs and value == values[runs[-1][0]] and (i - runs[-1][0] + 1) * value <= most:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def _mask_bias(lengths: list[int], width: int, kv_heads: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -301,18 +305,3 @@ def _attend_group(q: Tensor, kv_cache: Tensor, g: Group) -> Tensor:
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     out = torch.bmm(probs, values).view(kv_heads, rows, -1, dim).transpose(0, 1)
     return out.reshape(rows, heads * dim)
-
-
-def prefill_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Causal attention of a whole prompt over itself: q (n, heads, d), k/v (n, kv_heads, d).
-
-    A prompt always starts at position 0, so its own fresh keys and values are all it needs.
-    """
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        k.transpose(0, 1)[None],
-        v.transpose(0, 1)[None],
-        is_causal=True,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out[0].transpose(0, 1).reshape(q.shape[0], -1)

@@ -9,6 +9,13 @@ import torch
 _DTYPES = ("float32", "bfloat16", "float16")
 _ATTENTION = ("auto", "kernel", "gather")  # attention.py ATTENTION_MODES (kept light: no torch import there)
 _MATMUL = ("auto", "kernel", "library")  # matmul.py MATMUL_MODES
+# Measured (labkit.bench_serve, 32 streams of 64 tokens and a 1,000-token burst among 31, one
+# thread on 2 loaded cores, 2 rounds): 32 gave the smoothest gaps (p99 1.9-2.5x the median) but
+# leaves one prompt token a step once 31 streams decode (first token p99 12-23 s, the burst's
+# 31-38 s); 128 and unchunked let prefill stall the streams (gap p99 4.7-8.5x and 3.1-5.5x the
+# median; the burst's largest gap 2.5-6.9x and 22-28x); 64 sat between (gap p99 3.6-4.2x,
+# burst 4.2-5.1x, first token p99 8-17 s).
+DEFAULT_STEP_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -20,11 +27,18 @@ class EngineConfig:
     has (see runner.py): the fixed-order matmul (``matmul``), or row tiles of ``tile_rows``.
     ``max_waiting=None`` means no waiting limit. ``kv_cache_mb`` caps the default cache size.
     ``attention``: how decode reads the cache: ``"kernel"`` through the block tables (paged
-    kernel), ``"gather"`` by a contiguous copy, ``"auto"`` the kernel where it builds (see
-    attention.py ``choose_attention``; the runner's ``attention.reason`` says which and why).
+    kernel), ``"gather"`` by a contiguous copy, ``"auto"`` the kernel where it builds with hardware
+    FMA (see attention.py ``choose_attention``; the runner's ``attention.reason`` says which and why).
     ``matmul``: how the batch-invariant mode multiplies: ``"kernel"`` in a fixed order
     (``matmul.py``), ``"library"`` through torch's matmuls in probed row chunks (``layers.Tiling``),
-    ``"auto"`` the kernel where it builds (the runner's ``matmul.reason`` says which and why).
+    ``"auto"`` the kernel where it builds with hardware FMA and, measured once on this machine, is
+    not slower than the library (the runner's ``matmul.reason`` says which and why, with the numbers).
+    On ``device="cuda"`` every kernel is off and ``auto`` says so: the torch path runs there.
+    ``step_tokens``: the token budget of one step (chunked prefill, see scheduler.py): every
+    decoding sequence gets its one token, and prompts fill the rest, in chunks, so a long prompt
+    is spread over several steps instead of stalling every stream for its whole prefill (at
+    least one prompt token per step goes in whatever the decode rows take). ``None`` is
+    unchunked: each step prefills every prompt it admits whole, before the streams move on.
     ``step_delay``: seconds slept at the end of every step that did work, for the lab only (0,
     the default, adds nothing): a slower engine on demand, so a test can show that a verdict
     counted in steps and tokens does not move when the engine's speed does.
@@ -41,6 +55,7 @@ class EngineConfig:
     kv_cache_mb: int = 512
     attention: str = "auto"
     matmul: str = "auto"
+    step_tokens: int | None = DEFAULT_STEP_TOKENS  # tokens one step may run, decode rows first (none: unchunked)
     step_delay: float = 0.0
 
     def __post_init__(self) -> None:
@@ -50,6 +65,8 @@ class EngineConfig:
         _positive("kv_cache_mb", self.kv_cache_mb)
         if self.num_blocks is not None:
             _positive("num_blocks", self.num_blocks)
+        if self.step_tokens is not None:
+            _positive("step_tokens", self.step_tokens)
         if self.max_waiting is not None and (not isinstance(self.max_waiting, int) or self.max_waiting < 0):
             raise ValueError(f"EngineConfig.max_waiting must be a non-negative int or None, got {self.max_waiting!r}")
         if self.dtype not in _DTYPES:

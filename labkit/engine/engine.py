@@ -1,9 +1,10 @@
 """BatchEngine: a step-driven continuous-batching engine over a paged KV cache.
 
-Each ``step()`` applies the inbox, admits and prefills waiting requests (each prefill makes its
-request's first token), advances each remaining running sequence by one token in a single batched pass,
-and returns the events. Other threads only submit, cancel, pause and resume, which are recorded
-in the inbox and carried out at the next step boundary.
+Each ``step()`` applies the inbox, asks the scheduler for the step's work (a token for every
+decoding sequence, then chunks of prompts within the step's token budget, see scheduler.py),
+runs it through the model in one pass, and turns the logits into events: a token for each
+decode and for each prompt whose last chunk ran. Other threads only submit, cancel, pause and
+resume, which are recorded in the inbox and carried out at the next step boundary.
 
 The step clock: steps are numbered 1, 2, 3, ... as they start (``stats()["step"]`` is the number
 of the latest step, 0 before the first), and every event carries the number of the step that
@@ -27,9 +28,9 @@ import torch
 from labkit.engine.cache import BlockManager
 from labkit.engine.config import EngineConfig
 from labkit.engine.events import Event, FinishEvent, FinishReason, StepRecord, TokenEvent, Usage
-from labkit.engine.runner import ModelRunner
+from labkit.engine.runner import Chunk, ModelRunner
 from labkit.engine.sampling import Sampler, make_generator
-from labkit.engine.scheduler import Command, Inbox, Scheduler, Verb
+from labkit.engine.scheduler import Command, Inbox, Scheduler, Verb, Work
 from labkit.engine.sequence import RequestId, SamplingParams, Sequence
 from labkit.engine.text import TextState
 from labkit.errors import EmptyPrompt, InvalidRequest, PromptTooLong, QueueFull
@@ -62,7 +63,7 @@ class BatchEngine:
             matmul=config.matmul,
         )
         self.blocks = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_batch)
+        self.scheduler = Scheduler(self.blocks, config.max_batch, config.step_tokens)
         self.inbox = Inbox()
         self._eos = eos_ids(model)
         self.sampler = Sampler(config.device, native=self.runner.network.native_ops)
@@ -158,18 +159,13 @@ class BatchEngine:
                     on_event(event)
 
             self._apply_inbox(emit)
-            admitted = self.scheduler.admit()
-            if admitted:
-                self._prefill(admitted, emit)
-            batch = self.scheduler.decodable(exclude=admitted)
-            if batch:
-                self._decode(batch, emit)
-            if self.config.step_delay and (admitted or batch):
-                time.sleep(self.config.step_delay)  # the lab's slower engine (EngineConfig.step_delay)
-            self.counters["steps"] += 1
-            self.step_log.append(
-                StepRecord(self.current_step, started, time.perf_counter() - started, len(batch), len(admitted))
-            )
+            work = self.scheduler.schedule()
+            if work:
+                logits = self.runner.forward(self._chunks(work), [w.sample for w in work])
+                self._postprocess(work, logits, emit)
+                if self.config.step_delay:
+                    time.sleep(self.config.step_delay)  # the lab's slower engine (EngineConfig.step_delay)
+            self._log_step(started, work)
             return events
         finally:
             self._step_lock.release()
@@ -186,20 +182,28 @@ class BatchEngine:
         for seq in cancelled:
             emit(self._finish_event(seq))
 
-    def _prefill(self, seqs: list[Sequence], emit: OnEvent) -> None:
-        """The prompts admitted in this step, prefilled together in packed passes; each pass's
-        first tokens are sampled and emitted as soon as it ends."""
-        packs = self.runner.prefill_packs([s.prompt_ids for s in seqs], [self.blocks.table(s.number) for s in seqs])
-        for group, logits in packs:
-            self.counters["prefills"] += len(group)
-            self._accept_all([seqs[i] for i in group], logits, emit)
+    def _chunks(self, work: list[Work]) -> list[Chunk]:
+        return [Chunk(w.tokens, w.start, self.blocks.table(w.seq.number)) for w in work]
 
-    def _decode(self, batch: list[Sequence], emit: OnEvent) -> None:
-        logits = self.runner.decode(
-            [s.pending for s in batch], [s.num_cached for s in batch], [self.blocks.table(s.number) for s in batch]
+    def _postprocess(self, work: list[Work], logits: torch.Tensor, emit: OnEvent) -> None:
+        """The chunks are in the cache; draw a token for each decode and each prompt whose last
+        chunk this was (``logits`` has their rows, in order) and emit it at once."""
+        self.scheduler.advance(work)
+        sampled = [w for w in work if w.sample]
+        self.counters["prefills"] += sum(1 for w in sampled if w.prefill)
+        self.counters["decode_steps"] += any(not w.prefill for w in work)
+        self._accept_all([w.seq for w in sampled], logits, emit)
+
+    def _log_step(self, started: float, work: list[Work]) -> None:
+        self.counters["steps"] += 1
+        prefills = [w for w in work if w.prefill]
+        prefill_tokens = sum(len(w.tokens) for w in prefills)
+        self.counters["prefill_tokens"] += prefill_tokens
+        seconds = time.perf_counter() - started
+        record = StepRecord(
+            self.current_step, started, seconds, len(work) - len(prefills), len(prefills), prefill_tokens
         )
-        self.counters["decode_steps"] += 1
-        self._accept_all(batch, logits, emit)
+        self.step_log.append(record)
 
     def _accept_all(self, batch: list[Sequence], logits: torch.Tensor, emit: OnEvent) -> None:
         """Sample a token for each row of ``logits`` and accept it; a row that could not be
@@ -313,6 +317,7 @@ class BatchEngine:
             "step": self.current_step,
             "steps": self.counters["steps"],
             "prefills": self.counters["prefills"],
+            "prefill_tokens": self.counters["prefill_tokens"],
             "decode_steps": self.counters["decode_steps"],
             "tokens_generated": self.counters["tokens"],
             "sampling_errors": self.counters["sampling_errors"],

@@ -58,11 +58,13 @@ Event = TokenEvent | FinishEvent
 @dataclass(frozen=True)
 class StepRecord:
     """One engine step on the clock: its number, when it began and how long it took (perf_counter
-    seconds), how many sequences it decoded and how many prompts it prefilled. The spread of
-    ``seconds`` over a run says how steady the machine was; effects are counted in steps."""
+    seconds), how many sequences it decoded, how many prompts it prefilled a chunk of and how
+    many prompt tokens those chunks held. The spread of ``seconds`` over a run says how steady
+    the machine was; effects are counted in steps."""
 
     step: int
     started: float
     seconds: float
     decoded: int
     prefilled: int
+    prefill_tokens: int = 0

@@ -15,13 +15,19 @@ library does; ``labkit bench step`` shows what that is worth beside the library'
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from labkit.engine.kernels import fixed_matmul_kernel, why_unavailable
+from labkit.engine.kernels import Kernel, decide, fixed_matmul_kernel
 
 PANEL = 48  # columns per panel: fixed_matmul.cpp's NR
 MATMUL_MODES = ("auto", "kernel", "library")
@@ -36,18 +42,106 @@ class MatmulChoice:
 
 
 def choose_matmul(requested: str, device: torch.device, dtype: torch.dtype) -> MatmulChoice:
-    """``"auto"``: the fixed-order kernel where it applies and builds, the library's chunked
-    matmuls otherwise (with the reason). ``"kernel"`` raises ValueError where it cannot be had."""
+    """``"auto"``: the fixed-order kernel where it applies, builds with hardware FMA and, measured
+    once on this machine against the library (``speed_check``), is not much slower; the library's
+    chunked matmuls otherwise (with the reason). ``"kernel"`` raises ValueError where it cannot be had."""
     if requested not in MATMUL_MODES:
         raise ValueError(f"matmul must be one of {MATMUL_MODES}, got {requested!r}")
     if requested == "library":
         return MatmulChoice("library", "asked for")
-    why_not = why_unavailable("fixed-order kernel", device, dtype, fixed_matmul_kernel)
-    if why_not is None:
-        return MatmulChoice("kernel", "compiled and loaded" if requested == "kernel" else "auto: kernel available")
+    kernel, reason = decide("matmul", requested, "fixed-order kernel", device, dtype, fixed_matmul_kernel)
+    if kernel is None:
+        return MatmulChoice("library", f"{reason}; using the library's matmuls")
     if requested == "kernel":
-        raise ValueError(f"matmul='kernel' is unavailable: {why_not}")
-    return MatmulChoice("library", f"auto: {why_not}")
+        return MatmulChoice("kernel", reason)
+    check = speed_check(kernel)
+    if not check.kernel_is_fast_enough:
+        return MatmulChoice(
+            "library", f"auto: the kernel measured slower here ({check.words()}); using the library's matmuls"
+        )
+    return MatmulChoice("kernel", f"{reason}; {check.words()}")
+
+
+# -- is the kernel fast enough here? --------------------------------------------------------------
+SPEED_SHAPE = (576, 1536)  # SmolLM2-135M's MLP up-projection, (in, out): the lab's most common product
+SPEED_ROWS = (1, 32)  # a lone decode row and a full decode batch
+SLOWER_LIMIT = 2.0  # auto takes the kernel unless it is more than this many times the library's time
+
+
+@dataclass(frozen=True)
+class SpeedCheck:
+    """The kernel against torch's own matmul on one shape, at each of ``rows``: the fastest call of
+    a few interleaved rounds, in ms. Measured once per build and thread count, kept beside the build."""
+
+    rows: tuple[int, ...]
+    kernel_ms: tuple[float, ...]
+    library_ms: tuple[float, ...]
+    threads: int
+
+    @property
+    def kernel_is_fast_enough(self) -> bool:
+        return all(k <= SLOWER_LIMIT * lib for k, lib in zip(self.kernel_ms, self.library_ms))
+
+    def words(self) -> str:
+        """``measured once: kernel 0.05/0.9 ms, library 0.04/1.3 ms at 1/32 rows of 576x1536, 2 threads``."""
+        ms = lambda values: "/".join(f"{v:.0f}" if v >= 10 else f"{v:.2g}" for v in values)  # noqa: E731
+        rows = "/".join(map(str, self.rows))
+        k, n = SPEED_SHAPE
+        return (
+            f"measured once: kernel {ms(self.kernel_ms)} ms, library {ms(self.library_ms)} ms "
+            f"at {rows} rows of {k}x{n}, {self.threads} thread{'s' if self.threads != 1 else ''}"
+        )
+
+
+def speed_check(kernel: Kernel) -> SpeedCheck:
+    """``kernel`` timed against ``torch.mm``, read from beside the build where it was measured
+    before (a CPU's answer does not change). The fastest calls are compared, so a busy machine
+    seldom decides, and the limit is generous: what it is for, a build that runs its fmas without
+    a vector unit or an exotic CPU, costs tens of times the library's time, not twice."""
+    threads = torch.get_num_threads()
+    record = kernel.path.with_name(f"{kernel.path.stem}.speed-t{threads}.json")
+    try:
+        saved = json.loads(record.read_text())
+        return SpeedCheck(tuple(saved["rows"]), tuple(saved["kernel_ms"]), tuple(saved["library_ms"]), threads)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    check = _measure(kernel, threads)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=record.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"rows": check.rows, "kernel_ms": check.kernel_ms, "library_ms": check.library_ms}, f)
+        os.replace(tmp, record)
+    except OSError:
+        pass  # an unwritable cache: measure again next time
+    return check
+
+
+def _measure(kernel: Kernel, threads: int, rounds: int = 3) -> SpeedCheck:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(SPEED_SHAPE, generator=gen) / SPEED_SHAPE[0] ** 0.5
+    packed = PackedWeight.pack(weight)
+    best: dict[tuple[str, int], float] = {}
+    for _ in range(rounds):  # interleaved: kernel, library, kernel, library, ...
+        for rows in SPEED_ROWS:
+            x = torch.randn(rows, SPEED_SHAPE[0], generator=gen)
+            runs = {"kernel": partial(fixed_matmul, x, packed, kernel=kernel), "library": partial(torch.mm, x, weight)}
+            for name, run in runs.items():
+                ms = _time_ms(run, max(8, 32 // rows))
+                best[name, rows] = min(ms, best.get((name, rows), ms))
+    timed = {name: tuple(round(best[name, r], 4) for r in SPEED_ROWS) for name in ("kernel", "library")}
+    return SpeedCheck(SPEED_ROWS, timed["kernel"], timed["library"], threads)
+
+
+def _time_ms(run: Callable[[], object], calls: int) -> float:
+    """The fastest of ``calls`` calls of ``run``, in ms, after one to warm up: the best case, so
+    that a thread parked by a busy machine (which can cost a whole call) does not decide."""
+    run()
+    best = float("inf")
+    for _ in range(calls):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best * 1000
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,10 +183,13 @@ class PackedWeight:
         return cls(wide.view(k, count, PANEL).permute(1, 0, 2).contiguous(), k, n)
 
 
-def fixed_matmul(x: Tensor, packed: PackedWeight, bias: Tensor | None = None, *, vector: bool = True) -> Tensor:
+def fixed_matmul(
+    x: Tensor, packed: PackedWeight, bias: Tensor | None = None, *, vector: bool = True, kernel: Kernel | None = None
+) -> Tensor:
     """``x @ weight + bias`` in the fixed order, for ``x`` (rows, in) float32 on the CPU; a new
     contiguous tensor (rows, out). ``vector=False`` runs the scalar path (the same bits; the tests
-    compare the two). The checks are the cheap ones a decode step can afford on every call."""
+    compare the two); ``kernel``, a build other than the process's (the speed check, the tests).
+    The checks are the cheap ones a decode step can afford on every call."""
     if not (x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.shape[1] == packed.rows):
         raise ValueError(
             f"fixed_matmul: x must be (rows, {packed.rows}) float32 on the CPU, got {tuple(x.shape)} {x.dtype} {x.device}"
@@ -105,7 +202,7 @@ def fixed_matmul(x: Tensor, packed: PackedWeight, bias: Tensor | None = None, *,
         x = x.contiguous()
     rows = x.shape[0]
     out = x.new_empty(rows, packed.cols)
-    if rows and _matmul()(
+    if rows and (kernel.function if kernel is not None else _matmul())(
         x.data_ptr(),
         rows,
         packed.rows,

@@ -20,12 +20,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from labkit.engine.kernels import rowwise_kernel, why_unavailable
+from labkit.engine.kernels import rowwise_kernel, why_slow, why_unavailable
 
 
-def available(device: torch.device, dtype: torch.dtype) -> str | None:
-    """None where the row-wise kernels run (CPU, float32, and they build), else why not."""
-    return why_unavailable("row-wise kernels", device, dtype, rowwise_kernel)
+def available(device: torch.device, dtype: torch.dtype, fast_only: bool = False) -> str | None:
+    """None where the row-wise kernels run (CPU, float32, and they build; with ``fast_only``, a
+    build with hardware FMA, as ``auto`` asks), else why not."""
+    why_not = why_unavailable("row-wise kernels", device, dtype, rowwise_kernel)
+    return why_slow(rowwise_kernel()) if why_not is None and fast_only else why_not
 
 
 _ENTRIES: dict[str, Any] = {}  # the loaded entry points, looked up once (rowwise_kernel takes a lock)

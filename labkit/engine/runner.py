@@ -5,19 +5,23 @@ The KV pool holds every layer's keys and values in fixed-size blocks; the block 
 slots it is told: position ``p`` of a sequence lives in block ``table[p // block_size]`` at
 offset ``p % block_size``.
 
-Prefill runs the prompts admitted together in one packed pass, each with its own positions and
-blocks; decode runs one token for each of many sequences in one pass. With ``batch_invariant``
-(the default) every matmul, prefill and decode, sums each element in one fixed order whatever the
+A step is one pass over rows of tokens (``forward``): a decode is one row, a prefill chunk a
+run of rows of one prompt starting anywhere, and rows of many sequences go through the same
+matmuls. Every row is computed the way a decode row is: its K/V is written into the pool, then
+it attends to positions 0..its own through its sequence's blocks (``attention.py``). With
+``batch_invariant`` (the default) every matmul sums each element in one fixed order whatever the
 number of rows (the fixed-order kernel, ``matmul.py``; where it cannot be built, calls whose
-rounding was checked at start-up, ``layers.Tiling``, ``probe_chunk_rows``), each prompt attends
-over its own rows only, and each decoding sequence's attention has a shape set by its own length
-(see ``attention.py``), so a sequence's logits are bitwise the same whether it is prefilled or
-decoded alone or beside any neighbours; the tests check exactly that.
+rounding was checked at start-up, ``layers.Tiling``, ``probe_chunk_rows``) and each row's
+attention has a shape and order set by its own position, so a sequence's logits are bitwise the
+same whether its prompt is prefilled whole, in chunks or token by token, alone or beside any
+neighbours; the tests check exactly that.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +34,6 @@ from labkit.engine.attention import (
     choose_attention,
     decode_attention,
     plan_decode,
-    prefill_attention,
 )
 from labkit.engine.layers import Tiling, probe_chunk_rows
 from labkit.engine.matmul import FixedOrder, MatmulChoice, choose_matmul
@@ -99,16 +102,16 @@ class ModelRunner:
         batch_invariant: bool = True,
         tile_rows: int = 8,
         chunk_rows: int = 32,
-        max_prefill_tokens: int = 128,
+        probe_rows: int = 128,
         attention: str = "auto",
         matmul: str = "auto",
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"ModelRunner dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
-        if min(num_blocks, block_size, tile_rows, max_prefill_tokens) < 1:
+        if min(num_blocks, block_size, tile_rows, probe_rows) < 1:
             raise ValueError(
-                f"num_blocks, block_size, tile_rows and max_prefill_tokens must be >= 1, "
-                f"got {num_blocks}, {block_size}, {tile_rows}, {max_prefill_tokens}"
+                f"num_blocks, block_size, tile_rows and probe_rows must be >= 1, "
+                f"got {num_blocks}, {block_size}, {tile_rows}, {probe_rows}"
             )
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
@@ -117,7 +120,7 @@ class ModelRunner:
         self.attention = choose_attention(attention, self.device, self.dtype)  # paged kernel or gather, and why
         self.block_size = block_size
         self.span = DEFAULT_SPAN
-        self.max_prefill_tokens = max_prefill_tokens
+        self.probe_rows = probe_rows
         self.batch_invariant = batch_invariant
         self.tile_rows = tile_rows
         self.chunk_rows = chunk_rows
@@ -128,7 +131,7 @@ class ModelRunner:
         # the row-wise kernels (norms, rotary positions, the K/V write, the MLP gate, the greedy
         # argmax) come with the kernels, in both modes, unless the library's ops were asked for
         self.network.native_ops = self.pool.native = (
-            matmul != "library" and rowwise.available(self.device, self.dtype) is None
+            matmul != "library" and rowwise.available(self.device, self.dtype, fast_only=matmul == "auto") is None
         )
         # what linear() gets: None = plain matmuls. The probe's answer holds for the thread count
         # it ran under (a kernel may split a reduction differently with more threads), so a
@@ -150,14 +153,14 @@ class ModelRunner:
 
     def _tiling(self, chunk_rows: int, tile_rows: int) -> Tiling:
         """For each weight, row chunks of the largest size that rounds alike (up to
-        ``max_prefill_tokens`` rows, so a prefill pass is one call, but at most ``chunk_rows``
+        ``probe_rows`` rows, so a step's pass is one call or a few, but at most ``chunk_rows``
         for weights over ``_BIG_WEIGHT`` bytes, which only the last rows of each prompt or a
         decode batch meet and which are slow to probe); exact bmm tiles of ``tile_rows`` if any
         weight rounds 2-row calls differently."""
         sizes = {}
         for w, _ in self.network.matmuls():
             big = w.numel() * w.element_size() > _BIG_WEIGHT
-            sizes[id(w)] = probe_chunk_rows(w, chunk_rows if big else max(chunk_rows, self.max_prefill_tokens))
+            sizes[id(w)] = probe_chunk_rows(w, chunk_rows if big else max(chunk_rows, self.probe_rows))
         if min(sizes.values()) < 2:
             return Tiling(tile_rows, exact=True)
         return Tiling(min(sizes.values()), by_weight=sizes)
@@ -174,69 +177,69 @@ class ModelRunner:
     def prefill(self, token_ids: Sequence[int], block_table: Sequence[int]) -> Tensor:
         """Run the whole prompt, write its K/V at positions 0..n-1 into the given blocks;
         return float32 logits (vocab,) of the last position."""
-        return self.prefill_many([token_ids], [block_table])[0]
+        return self.forward([Chunk(token_ids, 0, block_table)])[0]
 
     def prefill_many(self, prompts: Sequence[Sequence[int]], block_tables: Sequence[Sequence[int]]) -> Tensor:
-        """Prefill several prompts in packed passes: float32 logits (prompts, vocab), one row
-        per prompt, of its last position.
-
-        The prompts' tokens are laid end to end, each with its own positions 0..n-1 and its own
-        blocks, so the matmuls see every prompt's rows at once; attention runs per prompt over
-        its own rows, the same call as alone. In the batch-invariant mode the matmuls are tiled
-        as in decode, so a prompt's logits (and the K/V it leaves) are bitwise those of its solo
-        prefill. Passes hold at most ``max_prefill_tokens`` rows (a longer prompt goes alone): the
-        matmuls gain little from more rows than a chunk, and smaller passes let the engine hand
-        out the first passes' tokens sooner.
-        """
-        parts = [logits for _, logits in self.prefill_packs(prompts, block_tables)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def prefill_packs(
-        self, prompts: Sequence[Sequence[int]], block_tables: Sequence[Sequence[int]]
-    ) -> Iterator[tuple[list[int], Tensor]]:
-        """``prefill_many`` one pass at a time: yields (indices of the prompts in the pass, their
-        logits) as each pass ends, so a caller can hand out first tokens without waiting for
-        the last pass."""
+        """Several whole prompts in one pass: float32 logits (prompts, vocab) of each last position."""
         if len(prompts) != len(block_tables):
             raise ValueError(f"{len(prompts)} prompts but {len(block_tables)} block tables")
-        for ids in prompts:
-            if len(ids) == 0:
-                raise ValueError("prefill needs at least one token")
-            self._check_positions(len(ids) - 1)
-        for group in _packs([len(ids) for ids in prompts], self.max_prefill_tokens):
-            yield group, self._prefill_packed([prompts[i] for i in group], [block_tables[i] for i in group])
+        return self.forward([Chunk(ids, 0, table) for ids, table in zip(prompts, block_tables)])
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]]) -> Tensor:
+        """One token per sequence: token b sits at position positions[b] (= tokens already
+        cached), its K/V is written there, and it attends to positions 0..positions[b].
+        Returns float32 logits (B, vocab)."""
+        if not tokens:
+            return torch.empty(0, self.network.vocab_size, device=self.device)
+        return self.forward([Chunk([t], p, table) for t, p, table in zip(tokens, positions, block_tables, strict=True)])
 
     @torch.inference_mode()
-    def _prefill_packed(self, prompts: list[Sequence[int]], block_tables: list[Sequence[int]]) -> Tensor:
-        bs, tile, net = self.block_size, self._tiling_now(), self.network
-        lengths = [len(ids) for ids in prompts]
-        rows = sum(lengths)
-        padded = rows if tile is None else tile.padded(rows)
-        filler = [0] * (padded - rows)  # filler rows: token 0 at position 0, never written or attended
-        positions = [p for n in lengths for p in range(n)]
-        slots = self._long([table[p // bs] * bs + p % bs for table, n in zip(block_tables, lengths) for p in range(n)])
-        pos = self._long(positions + filler)
-        x = net.embed(self._long([t for ids in prompts for t in ids] + filler), pos)
+    def forward(self, chunks: Sequence[Chunk], sample: Sequence[bool] | None = None) -> Tensor:
+        """One pass over every chunk's rows (a decode is a chunk of one token): float32 logits
+        (sampled chunks, vocab) of each sampled chunk's last row, in order; ``sample=None``
+        samples every chunk.
+
+        Every row is one token at its own position: each layer writes all the rows' K/V into the
+        pool first, then each row attends to positions 0..its own through its sequence's blocks,
+        computed the way a decode row is (``attention.py``), so a chunk's rows see the rows
+        before them in the same chunk. In the batch-invariant mode nothing a row computes depends
+        on the other rows, so a prompt's logits and K/V are bitwise the same prefilled whole, in
+        chunks of any size, token by token, or beside any neighbours.
+        """
+        sample = [True] * len(chunks) if sample is None else list(sample)
+        if len(sample) != len(chunks):
+            raise ValueError(f"{len(chunks)} chunks but {len(sample)} sample flags")
+        rows = _Rows.of(chunks)
+        self._check_positions(max(rows.positions))
+        plan = self.plan_decode(rows.positions, rows.tables)
+        count = len(rows.tokens)
+        net, tile = self.network, self._tiling_now()
+        padded = count if tile is None else tile.padded(count)
+        pad = [0] * (padded - count)  # filler rows: token 0 at position 0, never written or attended
+        picks = [plan.inverse[last] for last, wanted in zip(rows.lasts, sample) if wanted]
+        out_rows = len(picks) if tile is None else tile.padded(len(picks))
+        # the pass's index tensors in one transfer: token ids and positions in plan order
+        ids, pos = self._long(
+            [[rows.tokens[r] for r in plan.order] + pad, [rows.positions[r] for r in plan.order] + pad]
+        )
+        x = net.embed(ids, pos)
         at = net.positional(pos)
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
         for layer in range(net.shape.num_layers):
             q, k, v = net.qkv(layer, x, at, tile)
-            self.pool.write(layer, slots, k[:rows], v[:rows])
-            attn = [prefill_attention(q[a:b], k[a:b], v[a:b]) for a, b in zip(starts, starts[1:])]
-            if padded > rows:
-                attn.append(attn[0].new_zeros(padded - rows, attn[0].shape[1]))
-            x = net.finish(layer, x, attn[0] if len(attn) == 1 else torch.cat(attn), tile)
-        last = [b - 1 for b in starts[1:]]
-        out_rows = len(last) if tile is None else tile.padded(len(last))
-        x = x.index_select(0, self._long(last + [last[0]] * (out_rows - len(last))))
-        return net.logits(x, tile)[: len(last)].float()
+            self.pool.write(layer, plan.slots, k[:count], v[:count])
+            attn = decode_attention(q[:count], self.pool.kv[layer], plan)
+            if padded > count:
+                attn = F.pad(attn, (0, 0, 0, padded - count))
+            x = net.finish(layer, x, attn, tile)
+        if not picks:
+            return torch.empty(0, net.vocab_size, device=self.device)
+        x = x.index_select(0, self._long(picks + picks[:1] * (out_rows - len(picks))))
+        return net.logits(x, tile)[: len(picks)].float()
 
     def plan_decode(
         self, positions: Sequence[int], block_tables: Sequence[Sequence[int]], *, kernel: bool | None = None
     ) -> DecodePlan:
-        """The decode step's attention plan for these rows, in this runner's mode; ``kernel``
+        """The attention plan for these rows (one per token), in this runner's mode; ``kernel``
         overrides the attention the runner chose (the bench plans both ways on one runner)."""
         return plan_decode(
             positions,
@@ -250,40 +253,6 @@ class ModelRunner:
             kernel=self.attention.mode == "kernel" if kernel is None else kernel,
         )
 
-    @torch.inference_mode()
-    def decode(self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]]) -> Tensor:
-        """One token per sequence, sequences of different lengths in one batched pass: token b
-        sits at position positions[b] (= tokens already cached), its K/V is written there, and
-        it attends to positions 0..positions[b]. Returns float32 logits (B, vocab)."""
-        if not tokens:
-            return torch.empty(0, self.network.vocab_size, device=self.device)
-        self._check_positions(max(positions))
-        plan = self.plan_decode(positions, block_tables)
-        rows = len(tokens)
-        net, tile = self.network, self._tiling_now()
-        padded = rows if tile is None else tile.padded(rows)
-        pad = [0] * (padded - rows)  # filler rows: token 0 at position 0, never written or attended
-        # the step's index tensors in one transfer: token ids and positions in plan order, and
-        # where each input row's result sits (filler rows keep their places at the end)
-        ids, pos, back = self._long(
-            [
-                [tokens[r] for r in plan.order] + pad,
-                [positions[r] for r in plan.order] + pad,
-                plan.inverse + list(range(rows, padded)),
-            ]
-        )
-        x = net.embed(ids, pos)
-        at = net.positional(pos)
-        for layer in range(net.shape.num_layers):
-            q, k, v = net.qkv(layer, x, at, tile)
-            self.pool.write(layer, plan.slots, k[:rows], v[:rows])
-            attn = decode_attention(q[:rows], self.pool.kv[layer], plan)
-            if padded > rows:
-                attn = F.pad(attn, (0, 0, 0, padded - rows))
-            x = net.finish(layer, x, attn, tile)
-        x = x.index_select(0, back)
-        return net.logits(x, tile)[:rows].float()
-
     def _check_positions(self, last: int) -> None:
         if last >= self.max_positions:
             raise ValueError(f"position {last} is past the model's {self.max_positions} positions")
@@ -293,15 +262,39 @@ class ModelRunner:
         return torch.tensor(list(values), dtype=torch.long, device=self.device)
 
 
-def _packs(lengths: list[int], budget: int) -> list[list[int]]:
-    """Consecutive prompts grouped so that each group holds at most ``budget`` tokens
-    (a prompt longer than that is a group of its own)."""
-    groups: list[list[int]] = []
-    total = budget + 1
-    for i, n in enumerate(lengths):
-        if total + n > budget:
-            groups.append([])
-            total = 0
-        groups[-1].append(i)
-        total += n
-    return groups
+class Chunk(NamedTuple):
+    """Tokens of one sequence at positions ``start``, ``start + 1``, ..., and the blocks it owns."""
+
+    token_ids: Sequence[int]
+    start: int
+    block_table: Sequence[int]
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A pass's chunks laid end to end, one row per token: what the plan and the embedding read."""
+
+    tokens: list[int]
+    positions: list[int]
+    tables: list[Sequence[int]]
+    lasts: list[int]  # each chunk's last row
+
+    @classmethod
+    def of(cls, chunks: Sequence[Chunk]) -> _Rows:
+        if not chunks:
+            raise ValueError("a forward pass needs at least one chunk")
+        tokens: list[int] = []
+        positions: list[int] = []
+        tables: list[Sequence[int]] = []
+        lasts = []
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            if n == 0:
+                raise ValueError("prefill needs at least one token")
+            if chunk.start < 0:
+                raise ValueError(f"a chunk cannot start at position {chunk.start}")
+            tokens.extend(chunk.token_ids)
+            positions.extend(range(chunk.start, chunk.start + n))
+            tables.extend([chunk.block_table] * n)
+            lasts.append(len(tokens) - 1)
+        return cls(tokens, positions, tables, lasts)

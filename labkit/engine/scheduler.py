@@ -3,12 +3,21 @@
 Other threads only ever touch the inbox. Everything else is changed by the step thread, between
 forward passes, which is why cancelling a sequence can never pull tensors out from under the
 model: a cancel is a wish until the next step boundary carries it out.
+
+Each step's work is chosen decode first (vLLM's chunked prefill): every running, unpaused
+sequence that has its first token gets one row, so a stream never waits for someone else's
+prompt; what is left of the step's token budget (``step_tokens``) goes to prompts in arrival
+order, partly prefilled ones first, then newly admitted ones, a chunk each, so a long prompt is
+prefilled over several steps. When decode rows alone fill the budget, the oldest prompt still
+gets one token, so prefill never stops. ``step_tokens=None`` is unchunked: every prompt that can
+be admitted is prefilled whole in this step (the engine before chunking).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,12 +67,29 @@ class Inbox:
             return sum(1 for c in self._items if c.verb == "submit")
 
 
+@dataclass(frozen=True)
+class Work:
+    """One sequence's share of a step: ``tokens`` fed at positions ``start``, ``start + 1``, ...
+
+    A decode is one token (the pending one at ``num_cached``); a prefill chunk is a run of prompt
+    tokens. ``sample``: this work ends the sequence's prefill or is a decode, so a token is drawn
+    from its last row's logits.
+    """
+
+    seq: Sequence
+    start: int
+    tokens: list[int]
+    sample: bool
+    prefill: bool
+
+
 class Scheduler:
     """FIFO admission by reservation, a batch limit, pause/resume/cancel, one place to release."""
 
-    def __init__(self, blocks: BlockManager, max_batch: int) -> None:
+    def __init__(self, blocks: BlockManager, max_batch: int, step_tokens: int | None = None) -> None:
         self.blocks = blocks
         self.max_batch = max_batch
+        self.step_tokens = step_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.live: dict[str, Sequence] = {}
@@ -85,36 +111,65 @@ class Scheduler:
         seq.paused = command.verb == "pause"
         return None
 
+    # -- a step's work ---------------------------------------------------------------------
+    def schedule(self) -> list[Work]:
+        """This step's work: a decode row for every sequence that has its first token, then
+        prefill chunks in arrival order within what is left of the budget (see the module)."""
+        work = [Work(s, s.num_cached, [s.pending], True, False) for s in self.running if s.decoding]
+        room = self._prefill_room(len(work))
+        queue = self._prefill_order()
+        while room is None or room > 0:
+            seq = next(queue, None)
+            if seq is None:
+                break
+            start, left = seq.num_prefilled, seq.num_prompt - seq.num_prefilled
+            count = left if room is None else min(room, left)
+            work.append(Work(seq, start, seq.prompt_ids[start : start + count], count == left, True))
+            room = None if room is None else room - count
+        return work
+
+    def _prefill_room(self, decode_rows: int) -> int | None:
+        """Prompt tokens this step may run: the budget less the decode rows, at least one
+        (None: no limit, the unchunked engine)."""
+        return None if self.step_tokens is None else max(1, self.step_tokens - decode_rows)
+
+    def advance(self, work: list[Work]) -> None:
+        """Record that the step ran: each prefill chunk's tokens are now in the cache."""
+        for w in work:
+            if w.prefill:
+                w.seq.num_prefilled += len(w.tokens)
+
+    def _prefill_order(self) -> Iterator[Sequence]:
+        """Prompts to prefill, oldest first: those admitted and partly prefilled, then each newly
+        admitted one (admitted only when the caller asks for the next, i.e. has room for it)."""
+        yield from [s for s in self.running if s.prefilling and not s.paused]
+        while (seq := self._admit_next()) is not None:
+            yield seq
+
     # -- admission ----------------------------------------------------------------------
-    def admit(self) -> list[Sequence]:
-        """Admit waiting requests in order while a slot and their whole reservation are free.
+    def _admit_next(self) -> Sequence | None:
+        """Admit the first unpaused waiting request if a slot and its whole reservation are free.
 
         The head of the queue is never overtaken by a smaller request behind it (no
         starvation); paused requests keep their place but are stepped over.
         """
-        admitted: list[Sequence] = []
-        for seq in list(self.waiting):
+        for seq in self.waiting:
             if seq.paused:
                 continue
             if len(self.running) >= self.max_batch or not self.blocks.can_allocate(seq.reservation):
-                break
+                return None
             self.blocks.allocate(seq.number, seq.reservation)
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            admitted.append(seq)
-        return admitted
+            return seq
+        return None
 
     def can_admit_any(self) -> bool:
         for seq in self.waiting:
             if not seq.paused:
                 return len(self.running) < self.max_batch and self.blocks.can_allocate(seq.reservation)
         return False
-
-    def decodable(self, exclude: list[Sequence]) -> list[Sequence]:
-        """Running, unpaused sequences that did not just get their first token from a prefill."""
-        fresh = {id(s) for s in exclude}
-        return [s for s in self.running if not s.paused and id(s) not in fresh]
 
     # -- the one place a sequence leaves -------------------------------------------------
     def finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -111,8 +111,10 @@ class Status(enum.Enum):
 class Sequence:
     """Token ids, sampling state and place in the scheduler of one request.
 
-    ``pending`` is the last sampled token, not yet in the cache: the next decode feeds it at
-    position ``num_cached``. ``number`` is unique for the life of the process, unlike ``rid``,
+    A running sequence is first *prefilling*: ``num_prefilled`` of its prompt tokens have their
+    K/V in the cache, and each step may add a chunk; the step that adds the last chunk samples
+    the first token. After that it decodes: ``pending`` is the last sampled token, not yet in
+    the cache, and the next step feeds it at position ``num_cached``. ``number`` is unique for the life of the process, unlike ``rid``,
     which a client may use again once its request is over: the cache's books are kept by number,
     so nothing done to a finished sequence can reach a newer one with the same id.
     ``text`` is the request's TextState (built by the submitting thread).
@@ -128,6 +130,17 @@ class Sequence:
     status: Status = Status.WAITING
     paused: bool = False
     finish_reason: FinishReason | None = None
+    num_prefilled: int = 0  # prompt tokens whose K/V are in the cache
+
+    @property
+    def prefilling(self) -> bool:
+        """Some of the prompt still has to go through the model (no token sampled yet)."""
+        return self.num_prefilled < self.num_prompt
+
+    @property
+    def decoding(self) -> bool:
+        """Running, unpaused and past its prefill: a step gives it one token."""
+        return self.status is Status.RUNNING and not self.paused and not self.prefilling
 
     @property
     def num_prompt(self) -> int:

@@ -4,10 +4,11 @@ specs (``SPECS``), run by :func:`labkit.lab.run`. One registry: :data:`GROUPS`."
 from __future__ import annotations
 
 import importlib
+from importlib.resources import files
 
 from labkit.lab.experiment import Experiment
 
-__all__ = ["GROUPS", "specs", "names"]
+__all__ = ["GROUPS", "specs", "names", "published"]
 
 #: the notebook experiments, in the order ``labkit run all`` runs them
 GROUPS = (
@@ -34,3 +35,11 @@ def specs(name: str) -> list[Experiment]:
 
 def names() -> list[str]:
     return [spec.name for spec in specs("all")]
+
+
+def published(section: str) -> dict[str, str]:
+    """The chapter's published figures for one notebook, as the chapter states them (``chapter.toml``)."""
+    import tomllib
+
+    text = (files(__package__) / "chapter.toml").read_text(encoding="utf-8")
+    return dict(tomllib.loads(text)[section])

@@ -1,363 +1,224 @@
-"""Experiment 4, ``buffers``: how much a client that never reads absorbs before the server blocks.
+"""Notebook 04: the buffers between the engine and a reader that stops reading.
 
-Between the engine and a reader sit the server's write buffer and both kernels' socket buffers,
-none of which the application sees. A raw-socket client sends ``POST /lab/flood`` and then reads
-nothing; the server writes SSE events of a fixed size as fast as the connection accepts them and
-times every write. The first write that does not return within the block threshold marks the
-point where backpressure begins; the bytes written before it are what the path absorbed. We also
-read, with ``FIONREAD``, how many of them sit in the client's own receive buffer. The client then
-leaves by RST, and we wait until the server has finished the response.
-
-The kernel gives the reference: Linux autotunes a TCP socket's send buffer up to the third field
-of ``net.ipv4.tcp_wmem`` while data is queued, and a receive buffer that is never read stays near
-``tcp_rmem``'s default. Both are read from ``/proc`` in every run (``kernel``), never typed. One
-ordinary token stream is also read to the end, so the size of a real token event on the wire
-(``token_events``) turns bytes into tokens.
-
-The model plays no part here (no token is generated), but each profile serves its own model
-anyway, so that what the notebook's first table says is served is what is served; loading
-SmolLM2 from its cache costs a few seconds.
+:data:`FLOOD` (lab routes, the best witness): a client sends ``POST /lab/flood`` and reads nothing;
+the server times its writes of events of one size, and the first slower than the block threshold
+marks where it had to wait; the client reads ``FIONREAD`` and leaves by RST; ``tcp_wmem`` and
+``tcp_rmem`` come from ``/proc`` in every trial. :data:`UNREAD` (any target): a client cannot see a
+write block, only what waits. It holds streams unread beside one read as usual in the same batch,
+until that one has ended and ``FIONREAD`` has not grown for ``settle_gaps`` of its token gaps, then
+reads: what comes within a gap of the first byte was waiting; a stream ending in it never waited.
 """
 
 from __future__ import annotations
 
-import array
+import asyncio
 import contextlib
-import fcntl
 import socket
-import termios
 import time
 import uuid
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pandas as pd
 
-from labkit.experiments.client import async_client, launch_streams, run_sync
-from labkit.experiments.profiles import Profile
-from labkit.experiments.progress import Progress, doing, tick
-from labkit.experiments.rawhttp import RawConnection
-from labkit.experiments.readings import Verdict, current_step, fetch_steps, interleaved, span
-from labkit.experiments.servers import serving
-from labkit.experiments.waiting import WaitTimeout, await_for
+from labkit import machine
+from labkit.experiments import published
+from labkit.lab import Experiment, NotMeasurable, ReadOptions, Request, Sizes, Stream, Trial, interval, judge, span
+from labkit.lab.client import async_client, run_sync
+from labkit.lab.verdict import spread, tell
 from labkit.prompts import PROMPTS
 
-NAME = "buffers"
-
-
-@dataclass(frozen=True)
-class Config:
-    model: str = "tiny-gpt2"
-    event_sizes: tuple[int, ...] = (133, 1024, 16384, 65536)
-    repetitions: int = 3
-    flood_bytes: int = 32 * 2**20  # the most a flood may write: far beyond any buffer seen here
-    block_threshold: float = 0.2  # a write slower than this has blocked
-    timeout: float = 30.0  # give up waiting for the block after this long
-    token_stream_tokens: int = 16  # one ordinary stream, read to the end, to size a token event
-
-    @classmethod
-    def for_profile(cls, profile: Profile) -> Config:
-        if profile.full:
-            return cls(model=profile.model)
-        # ci drops the smallest events, the slowest to fill the buffers (tens of thousands of writes)
-        return cls(model=profile.model, event_sizes=(1024, 16384, 65536))
-
-    def __post_init__(self) -> None:
-        if not self.event_sizes or min(self.event_sizes) < 32:
-            raise ValueError(f"buffers.Config.event_sizes must be >= 32 bytes, got {self.event_sizes!r}")
-        if self.repetitions < 1 or self.block_threshold <= 0 or self.timeout <= 0:
-            raise ValueError("buffers.Config.repetitions, block_threshold and timeout must be positive")
-
-
-def server_options(config: Config) -> dict[str, Any]:
-    return {"model": config.model}
-
-
-def units(config: Config) -> int:
-    return len(config.event_sizes) * config.repetitions
-
-
-def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
-    rows = []
-    with serving(server, **server_options(config)) as srv:
-        first_step = current_step(srv.url)
-        for rep, size in interleaved(config.event_sizes, config.repetitions):
-            doing(progress, f"{size:,}-byte events, repetition {rep + 1}/{config.repetitions}")
-            rows.append({"event_bytes": size, "repetition": rep, **run_sync(flood_once(srv.url, size, config))})
-            tick(progress, floods=rows)
-        doing(progress, "one ordinary token stream, to size a token event")
-        tokens = token_events(srv.url, config.token_stream_tokens)
-        steps = fetch_steps(srv.url, since=first_step)
-    floods = pd.DataFrame(rows)
-    return {
-        "floods": floods,
-        "by_size": by_size(floods),
-        "kernel": kernel_settings(),
-        "token_events": tokens,
-        "steps": steps,
-    }
-
-
-def token_events(url: str, tokens: int) -> pd.DataFrame:
-    """Wire bytes of each token event of one ordinary stream read to the end."""
-    launch = run_sync(launch_streams(url, [{"prompt": PROMPTS[1], "max_new_tokens": tokens}]))
-    events = launch.results[0].tokens
-    return pd.DataFrame({"index": range(len(events)), "nbytes": [e.nbytes for e in events]})
-
-
-def kernel_settings() -> pd.DataFrame:
-    """The Linux socket-buffer limits (min, default, max bytes) that bound what a path can absorb."""
-    rows = []
-    for name in ("tcp_rmem", "tcp_wmem"):
-        path = f"/proc/sys/net/ipv4/{name}"
-        try:
-            low, default, high = (int(v) for v in open(path).read().split())
-        except (OSError, ValueError):
-            continue
-        rows.append({"setting": f"net.ipv4.{name}", "min": low, "default": default, "max": high})
-    return pd.DataFrame(rows, columns=["setting", "min", "default", "max"])
-
-
-async def flood_once(url: str, size: int, config: Config) -> dict[str, Any]:
-    """One client that never reads; the server's record of what it accepted, and the client's view."""
-    flood_id = f"buffers-{size}-{uuid.uuid4().hex[:8]}"
-    body = {
-        "flood_id": flood_id,
-        "event_bytes": size,
-        "block_threshold": config.block_threshold,
-        "count": max(1, min(1_000_000, config.flood_bytes // size)),
-    }
-    conn = RawConnection(url)
-    async with async_client(url, connections=2) as poll:
-        try:
-            await conn.connect()
-            started = time.perf_counter()
-            await conn.send("POST", "/lab/flood", body)
-            record = await _poll(poll, flood_id, lambda r: r["blocked"] or r["finished"], config.timeout)
-            seen = {
-                "client_rcvbuf": conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
-                "client_unread_bytes": unread_bytes(conn.sock),
-                "seconds_to_block": time.perf_counter() - started,
-            }
-        finally:
-            conn.leave("rst")
-        final = await _poll(poll, flood_id, lambda r: r["finished"], config.timeout)
-    return {**_accepted(record), **seen, "server_finished": bool(final and final["finished"])}
-
-
-def _accepted(record: dict[str, Any] | None) -> dict[str, Any]:
-    record = record or {}
-    return {
-        "blocked": bool(record.get("blocked")),
-        "bytes_accepted": record.get("bytes_accepted"),
-        "events_accepted": record.get("events_accepted"),
-        "wire_bytes_accepted": record.get("wire_bytes_accepted"),
-    }
-
-
-async def _poll(client: Any, flood_id: str, done: Any, timeout: float) -> dict[str, Any] | None:
-    """GET the flood's record until ``done(record)`` or ``timeout``; the last record seen."""
-    seen: list[dict[str, Any]] = []
-
-    async def record() -> dict[str, Any] | None:
-        response = await client.get(f"/lab/flood/{flood_id}")
-        if response.status_code == 200:
-            seen.append(response.json())
-            return seen[-1] if done(seen[-1]) else None
-        return None
-
-    with contextlib.suppress(WaitTimeout):  # at the bound, the caller judges the last record
-        await await_for(record, timeout=timeout, what=f"flood {flood_id}")
-    return seen[-1] if seen else None
+TRANSPORT_HIGH_WATER = 64 * 1024  # asyncio's default write-buffer high-water mark, which uvicorn keeps
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # a server here has this machine's kernel and clock
 
 
 def unread_bytes(sock: socket.socket) -> int:
-    """Bytes waiting in this socket's receive buffer (``FIONREAD``), headers included."""
-    buf = array.array("i", [0])
-    fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf)
-    return int(buf[0])
+    """Bytes waiting in this socket's receive buffer (``FIONREAD``), or not measurable here."""
+    waiting = machine.unread_bytes(sock)
+    if waiting is None:
+        raise NotMeasurable("bytes waiting in the client's receive buffer", "this platform has no FIONREAD")
+    return waiting
 
 
-def by_size(floods: pd.DataFrame) -> pd.DataFrame:
-    grouped = floods.groupby("event_bytes")
-    return pd.DataFrame(
-        {
-            "repetitions": grouped.size(),
-            "blocked": grouped.blocked.sum().astype(int),
-            "bytes_accepted_min": grouped.bytes_accepted.min(),
-            "bytes_accepted_max": grouped.bytes_accepted.max(),
-            "client_unread_min": grouped.client_unread_bytes.min(),
-            "client_unread_max": grouped.client_unread_bytes.max(),
-        }
-    ).reset_index()
-
-
-def kernel_value(tables: dict[str, pd.DataFrame], setting: str, field: str) -> int | None:
-    """One field (min, default, max) of a kernel setting read in this run, or None off Linux."""
-    kernel = tables.get("kernel")
-    if kernel is None or kernel.empty or setting not in set(kernel.setting):
-        return None
-    return int(kernel.set_index("setting").loc[setting, field])
-
-
-TRANSPORT_HIGH_WATER = 64 * 1024  # asyncio's default write-buffer high-water mark, which uvicorn keeps
-
-
-def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
-    table = tables["by_size"]
-    out: dict[str, Any] = {
-        f"{int(r.event_bytes)}": [int(r.bytes_accepted_min), int(r.bytes_accepted_max)] for r in table.itertuples()
-    }
-    if "token_events" in tables and len(tables["token_events"]):
-        out["token_event_bytes_median"] = float(tables["token_events"].nbytes.median())
+def kernel() -> dict[str, int | None]:
+    """``net.ipv4.tcp_wmem`` and ``tcp_rmem`` (min, default, max bytes) from /proc; None where absent."""
+    out: dict[str, int | None] = {f"{n}_{f}": None for n in ("tcp_wmem", "tcp_rmem") for f in ("min", "default", "max")}
+    for name in ("tcp_wmem", "tcp_rmem"):
+        with contextlib.suppress(OSError, ValueError):
+            values = Path(f"/proc/sys/net/ipv4/{name}").read_text().split()
+            out.update({f"{name}_{f}": int(v) for f, v in zip(("min", "default", "max"), values)})
     return out
 
 
-def verdicts(tables: dict[str, pd.DataFrame]) -> list[Verdict]:
-    """The hypotheses of notebook 04, judged against their criteria (the kernel's limits as read)."""
-    floods = tables["floods"]
-    wmem_default = kernel_value(tables, "net.ipv4.tcp_wmem", "default")
-    wmem_max = kernel_value(tables, "net.ipv4.tcp_wmem", "max")
-    server_side = floods.bytes_accepted - floods.client_unread_bytes
-    out = [
-        Verdict(
-            "every_flood_blocks",
-            "a client that reads nothing makes the server's write block once the buffers are full",
-            "any flood ran to its end, or to the timeout, without a blocked write",
-            bool(len(floods)) and bool(floods.blocked.all()),
-            f"{int(floods.blocked.sum())} of {len(floods)} floods blocked",
-        ),
-        Verdict(
-            "server_finishes_after_leave",
-            "after the client leaves by RST the server ends the response",
-            "any flood's response was still unfinished at the timeout",
-            bool(len(floods)) and bool(floods.server_finished.all()),
-            f"{int(floods.server_finished.sum())} of {len(floods)} finished",
-        ),
-    ]
-    if wmem_max is not None and wmem_default is not None:
-        bound = wmem_max + floods.client_rcvbuf + TRANSPORT_HIGH_WATER + floods.event_bytes
-        over = floods[floods.bytes_accepted > bound]
-        out.append(
-            Verdict(
-                "bounded_by_the_kernel",
-                "what the path absorbs is at most the kernel's largest send buffer (tcp_wmem max) plus the "
-                "client's receive buffer, the server transport's high-water mark and one event",
-                "any flood accepted more bytes than that bound",
-                over.empty,
-                f"{len(over)} of {len(floods)} floods over; accepted {span(floods.bytes_accepted / 1024, '{:.0f}', ' KiB')}, "
-                f"tcp_wmem max {wmem_max / 1024:.0f} KiB",
-            )
-        )
-        out.append(
-            Verdict(
-                "send_buffer_grows",
-                "the server's side holds more than the kernel's default send buffer: Linux grows it while data waits",
-                "any flood's bytes on the server's side (accepted minus what sat in the client) were at most tcp_wmem's default",
-                bool(len(floods)) and bool((server_side > wmem_default).all()),
-                f"server side {span(server_side / 1024, '{:.0f}', ' KiB')} against a default of {wmem_default / 1024:.0f} KiB",
-            )
-        )
-    medians = floods.groupby("event_bytes").bytes_accepted.median()
-    if len(medians) > 1:
-        ratio = float(medians.max() / medians.min())
-        out.append(
-            Verdict(
-                "bytes_not_events",
-                "the buffers hold bytes, not events: the amount absorbed hardly depends on the event size",
-                "the median bytes accepted of two event sizes differ by more than a factor of 1.5",
-                ratio <= 1.5,
-                f"largest median / smallest median = {ratio:.2f}",
-            )
-        )
-    return out
+# --------------------------------------------------------------------------- the flood
 
 
-CHECKED = (
-    "every_flood_blocks",
-    "server_finishes_after_leave",
-    "bounded_by_the_kernel",
-    "send_buffer_grows",
-    "bytes_not_events",
-)
+async def _poll(client: Any, flood_id: str, done: Any, timeout: float) -> dict[str, Any]:
+    """``GET /lab/flood/{id}`` until ``done(record)`` or ``timeout``; the last record ({} if none)."""
+    deadline, record = time.monotonic() + timeout, dict[str, Any]()
+    while time.monotonic() < deadline and not (record and done(record)):
+        await asyncio.sleep(0.02)
+        record = answer.json() if (answer := await client.get(f"/lab/flood/{flood_id}")).status_code == 200 else record
+    return record
 
 
-def findings(tables: dict[str, pd.DataFrame]) -> str:
-    """Bytes turned into tokens, from this run's numbers."""
-    floods = tables["floods"]
-    said = [
-        f"Before a write blocked, the path absorbed {span(floods.bytes_accepted / 1024, '{:.0f}', ' KiB')} "
-        f"(median, min–max over {len(floods)} floods of {floods.event_bytes.nunique()} event sizes), of which "
-        f"{span(floods.client_unread_bytes / 1024, '{:.0f}', ' KiB')} sat in the client's receive buffer."
-    ]
-    wmem_max = kernel_value(tables, "net.ipv4.tcp_wmem", "max")
-    if wmem_max is not None:
-        said.append(f"The kernel lets a send buffer grow to {wmem_max / 1024:.0f} KiB (tcp_wmem max, read from /proc).")
-    token = tables.get("token_events")
-    if token is not None and len(token):
-        per_token = float(token.nbytes.median())
-        smallest = float(floods.bytes_accepted.min())
-        said.append(
-            f"An ordinary token event here is {span(token.nbytes, '{:.0f}', ' bytes')} on the wire, so even the "
-            f"smallest amount absorbed holds about {smallest / per_token:,.0f} token events: a reader of ordinary "
-            f"tokens is never pushed back on; with 64 KiB events it holds about {smallest / (65536 + per_token):,.0f}."
-        )
-    return " ".join(said)
+async def _flood(trial: Trial) -> dict[str, Any]:
+    target, s, size = trial.target, trial.sizes, trial.event_bytes
+    flood_id = f"buffers-{size}-{uuid.uuid4().hex[:8]}"
+    body = {"flood_id": flood_id, "event_bytes": size, "block_threshold": s.block_threshold_s,
+            "count": max(1, min(1_000_000, s.flood_mib * 2**20 // size))}  # fmt: skip
+    leave, result = asyncio.Event(), Stream()
+    options = ReadOptions(read=False, leave_after_s=s.timeout_s, leave_by="rst", timeout=s.timeout_s)
+    request = Request("/lab/flood", body, headers=target.headers)
+    reader = asyncio.ensure_future(target.stream(request, options, result=result, leave=leave))
+    async with async_client(target.url, 2, s.timeout_s) as poll:
+        try:
+            record = await _poll(poll, flood_id, lambda r: r["blocked"] or r["finished"], s.timeout_s)
+            sock = result.socket  # the reader's, open until it leaves
+            seen = {"client_unread_bytes": unread_bytes(sock) if sock else None,
+                    "client_rcvbuf": sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) if sock else None}  # fmt: skip
+        finally:
+            leave.set()
+            await reader
+        final = await _poll(poll, flood_id, lambda r: r["finished"], s.timeout_s)
+    return {"blocked": bool(record.get("blocked")), "bytes_accepted": record.get("bytes_accepted"),
+            "events_accepted": record.get("events_accepted"), **seen, "server_finished": bool(final.get("finished")),
+            "token_event_bytes": trial.state, "same_machine": urlsplit(target.url).hostname in LOOPBACK, **kernel()}  # fmt: skip
 
 
-def report(tables: dict[str, pd.DataFrame]) -> str:
-    """Stable text for any profile: did every flood block, and did the server finish each one after
-    the client left. Counts appear only when something did not happen."""
-    floods = tables["floods"]
-    lines = []
-    for column, what in (
-        ("blocked", "a write blocked while the client read nothing"),
-        ("server_finished", "the server finished the response after the client left"),
-    ):
-        missing = len(floods) - int(floods[column].sum())
-        lines.append(f"{what}: " + ("every flood" if missing == 0 else f"{missing} of {len(floods)} floods did NOT"))
-    return "\n".join(lines)
+def token_event_bytes(target: Any, s: Sizes) -> float:
+    """The median wire size of one ordinary token event, from a stream read to its end."""
+    stream = target.read(target.request(PROMPTS[1], 16))
+    return float(pd.Series([e.nbytes for e in stream.events if e.event == "token" or "choices" in e.data]).median())
 
 
-def plot(tables: dict[str, pd.DataFrame]) -> list:
+def flood_tables(tables: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
+    rows = (r := tables["rows"]).assign(server_side_bytes=r.bytes_accepted - r.client_unread_bytes,
+                                        token_events_held=r.bytes_accepted / r.token_event_bytes,  # no /proc: NaN
+                                        **{c: pd.to_numeric(r[c]) for c in r.filter(regex="^tcp_")})  # fmt: skip
+    kernel = rows.filter(regex="^tcp_").iloc[:1].astype(object).fillna("not available on this platform (no /proc)")
+    beside = [(f"accepted before the write blocks, {n:,}-byte events", published("buffers").get(f"accepted_{n}", "—"),
+               span(g.bytes_accepted, "{:,.0f}"), "bytes") for n, g in rows.groupby("event_bytes")]  # fmt: skip
+    columns = ["bytes_accepted", "client_unread_bytes", "server_side_bytes", "events_accepted", "token_events_held"]
+    return {"rows": rows, "by_size": spread(rows, "event_bytes", columns), "kernel": kernel,
+            "beside_chapter": pd.DataFrame(beside, columns=["quantity", "chapter (GPU)", "this run", "unit"])}  # fmt: skip
+
+
+def flood_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
+    rows, n = tables["rows"], len(tables["rows"])
+    known = pd.notna(rows.tcp_wmem_max.iloc[0]) and bool(rows.same_machine.all())
+    why = "" if known else "; the server's kernel limits are unknown here (not this machine, or no /proc)"
+    bound = rows.tcp_wmem_max + rows.client_rcvbuf + TRANSPORT_HIGH_WATER + rows.event_bytes
+    over, grown = int((rows.bytes_accepted > bound).sum()), int((rows.server_side_bytes > rows.tcp_wmem_default).sum())
+    kib = lambda values: span(values / 1024, "{:.0f}", " KiB")  # noqa: E731
+    medians = rows.groupby("event_bytes").bytes_accepted.median()
+    hi, lo = medians.idxmax(), medians.idxmin()
+    by = {k: rows.bytes_accepted[rows.event_bytes == k] for k in (hi, lo)}
+    ratio = tell(interval(by[hi], others=by[lo]), 1.5, "below")
+    return [
+        judge("every flood blocks", "a client that reads nothing makes the server's write block once the buffers "
+              "are full", "any flood ended, or hit the time limit, unblocked", n > 0 and bool(rows.blocked.all()),
+              f"{int(rows.blocked.sum())} of {n} floods blocked", checked=True),
+        judge("the server finishes after the leave", "after the client leaves by RST the server ends the response",
+              "any flood's response was unfinished at the time limit", n > 0 and bool(rows.server_finished.all()),
+              f"{int(rows.server_finished.sum())} of {n} finished", checked=True),
+        judge("bounded by the kernel", "the path takes at most tcp_wmem's max, the client's receive buffer, the "
+              "transport's high-water mark and one event", "any flood accepted more", over == 0 if known else None,
+              f"{over} of {n} over; took {kib(rows.bytes_accepted)}, max {kib(rows.tcp_wmem_max)}{why}", checked=True),
+        judge("the send buffer grows", "Linux grows the server's send buffer past tcp_wmem's default while data waits",
+              "any flood held at most that default on the server's side (accepted minus the client's buffer)",
+              grown == n if known else None, f"{grown} of {n} above; server side {kib(rows.server_side_bytes)}, "
+              f"default {kib(rows.tcp_wmem_default)}{why}", checked=True),
+        judge("bytes, not events", "the buffers hold bytes: what they take hardly depends on the event size",
+              "the 95% interval of the largest median over the smallest (by event size) lies above 1.5",
+              ratio[0] if len(medians) > 1 else None, f"{hi:,}-byte over {lo:,}-byte events: {ratio[1]}"),
+    ]  # fmt: skip
+
+
+def flood_plots(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
     from labkit.plots import new_figure
 
-    floods = tables["floods"]
+    rows, t = tables["rows"], tables["by_size"]
     fig, (ax,) = new_figure("buffers_accepted")
-    sizes = sorted(floods.event_bytes.unique())
-    labels = [_size_label(s) for s in sizes]
-    for rep, group in floods.groupby("repetition"):
-        group = group.set_index("event_bytes").reindex(sizes)
-        ax.plot(labels, group.bytes_accepted / 1024, "o", alpha=0.7, label=f"repetition {rep + 1}")
-    ax.plot(
-        labels,
-        floods.groupby("event_bytes").client_unread_bytes.median().reindex(sizes) / 1024,
-        "k_",
-        markersize=18,
-        label="in the client's receive buffer (median)",
-    )
-    kernel = tables.get("kernel")
-    if kernel is not None and len(kernel):
-        limits = kernel.set_index("setting")
-        for setting, field, style in (("net.ipv4.tcp_wmem", "max", "--"), ("net.ipv4.tcp_rmem", "default", ":")):
-            if setting in limits.index:
-                value = int(limits.loc[setting, field])
-                ax.axhline(
-                    value / 1024,
-                    color="gray",
-                    ls=style,
-                    lw=1,
-                    label=f"{setting.split('.')[-1]} {field} (kernel): {value / 1024:,.0f} KiB",
-                )
-    ax.set(
-        xlabel="size of one event",
-        ylabel="KiB written before a write blocked",
-        title="A client that never reads: bytes accepted before the server blocks",
-    )
-    ax.set_ylim(bottom=0)
+    label = {n: f"{n // 1024} KiB" if n >= 1024 else f"{n} B" for n in t.event_bytes}
+    ax.plot(rows.event_bytes.map(label), rows.bytes_accepted / 1024, "o", alpha=0.6, label="accepted, each flood")
+    for name, field, style in (("tcp_wmem", "max", "--"), ("tcp_rmem", "default", ":")):
+        if pd.notna(rows[f"{name}_{field}"].iloc[0]):
+            ax.axhline(rows[f"{name}_{field}"].iloc[0] / 1024, color="gray", ls=style, label=f"{name} {field} (kernel)")
+    ax.set(xlabel="size of one event", ylabel="KiB accepted", title="A client that never reads", ylim=(0, None))
     ax.legend(fontsize="small")
     return [fig]
 
 
-def _size_label(size: int) -> str:
-    return f"{size // 1024} KiB" if size >= 1024 and size % 1024 == 0 else f"{size} B"
+FLOOD_SIZES = {"repetitions": 3, "flood_mib": 32, "block_threshold_s": 0.2, "timeout_s": 30.0}
+FLOOD = Experiment(
+    name="buffers.flood", title="A client that never reads: bytes the path takes before the server's write blocks",
+    sizes={"full": {"event_sizes": (133, 1024, 16384, 65536), **FLOOD_SIZES},
+           "ci": {"event_sizes": (1024, 16384, 65536), **FLOOD_SIZES}},
+    conditions=lambda s, target: [{"event_bytes": n} for n in s.event_sizes], prepare=token_event_bytes,
+    measure=lambda trial: run_sync(_flood(trial)), tables=flood_tables, verdicts=flood_verdicts, plots=flood_plots,
+    needs=("lab",), chapter={"event_sizes": ((133, 1024, 16384, 65536), "a test run leaves out the slowest flood")},
+)  # fmt: skip
+
+# --------------------------------------------------------------------------- an ordinary stream, unread
+
+
+async def _held(target: Any, s: Sizes, prompt: str, usual: Stream) -> dict[str, Any]:
+    hold, result, started = asyncio.Event(), Stream(api=target.api), time.perf_counter()
+    reader = asyncio.ensure_future(target.stream(target.request(prompt, s.tokens), result=result, hold=hold))
+    waiting, still_since, gap = -1, started, 0.005
+    try:
+        while not reader.done() and time.perf_counter() - started < s.timeout_s / 2:
+            await asyncio.sleep(gap / 2)
+            now, n = time.perf_counter(), unread_bytes(result.socket) if result.socket else -1
+            waiting, still_since = (waiting, still_since) if n == waiting else (n, now)
+            gap = float(pd.Series(usual.gaps).median()) if len(usual.gaps) > 1 else gap
+            if usual.ended is not None and n > 0 and now - still_since >= s.settle_gaps * gap:
+                break
+    finally:
+        resumed = time.perf_counter()
+        hold.set()
+        stream = await reader
+    first = min((e.time for e in stream.events), default=resumed)
+    burst = [e for e in stream.events if e.time - first <= gap]
+    row = {"tokens": stream.tokens, "bytes": stream.total_bytes, "waiting_bytes": waiting, "token_gap_s": gap,
+           "held_s": resumed - started, "burst_bytes": sum(e.nbytes for e in burst), "failure": stream.failure,
+           "end_in_burst": stream.completed and len(burst) == len(stream.events)}  # fmt: skip
+    if target.caps.lab and urlsplit(target.url).hostname in LOOPBACK:
+        closed = (target.records([stream.request_id])[0] or {}).get("closed")
+        row["server_done_before_read"] = closed is not None and closed <= resumed
+    return row
+
+
+def unread_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
+    whole = (rows := tables["rows"]).end_in_burst.astype(bool) & rows.failure.isna()
+    whole &= rows.server_done_before_read.astype(bool) if "server_done_before_read" in rows else True
+    return [judge("an unread stream waits whole in the buffers", f"a {s.tokens}-token stream left unread sits whole "
+                  "on its way; its writer never waits", "any held stream ended over a token gap after its first byte "
+                  "read (or the server's record says it had not written it all)", bool(len(rows)) and bool(whole.all()),
+                  f"{int(whole.sum())} of {len(rows)} whole; waiting {span(rows.waiting_bytes, '{:,.0f}')} bytes in the "
+                  f"client's buffer (head included), body {span(rows.bytes, '{:,.0f}')}", checked=True)]  # fmt: skip
+
+
+async def _unread(trial: Trial) -> list[dict[str, Any]]:
+    """The held streams and one read as usual, at once: in one batch they end together."""
+    target, s, usual = trial.target, trial.sizes, Stream(api=trial.target.api)
+    if not target.url.startswith("http://"):
+        raise NotMeasurable("a stream left unread", "the raw reader speaks plain http only")
+    reader = asyncio.ensure_future(target.stream(target.request(PROMPTS[1], s.tokens), result=usual))
+    held = await asyncio.gather(*(_held(target, s, PROMPTS[2 + i], usual) for i in range(s.streams)))
+    if (await reader).failure or len(usual.gaps) < 2:
+        raise NotMeasurable("the token gap", f"the stream read as usual gave none ({usual.failure})")
+    return list(held)
+
+
+UNREAD = Experiment(
+    name="buffers.unread", title="An ordinary stream, not read until it settles, then read: what was waiting",
+    sizes={size: {"tokens": 200, "streams": 4, "settle_gaps": 20, "timeout_s": 120.0} for size in ("full", "ci")},
+    measure=lambda trial: run_sync(_unread(trial)), verdicts=unread_verdicts,
+    tables=lambda t, s: {"unread": spread(t["rows"], "tokens", ["waiting_bytes", "burst_bytes", "bytes", "held_s"])},
+)  # fmt: skip
+
+
+SPECS = (FLOOD, UNREAD)

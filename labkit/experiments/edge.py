@@ -63,7 +63,7 @@ async def storm(old: Process, s: Sizes, policy: str, restart: Any) -> tuple[list
 
 
 def measure_storm(trial: Trial) -> dict[str, Any]:
-    s, common = trial.sizes, {"resume_store": trial.state.redis.url, "max_resumable": trial.sizes.clients}
+    s, common = trial.sizes, {"resume_store": trial.state.redis.url, "max_resumable": trial.sizes.clients, "resumable_share": 1.0}  # fmt: skip
     old = Process.labkit(s.model, max_batch=8, max_waiting=s.clients, max_connections=s.clients + 32, step_delay=0.05,
                          **common)  # fmt: skip
     new, stopped = list[Process](), list[float]()

@@ -1,577 +1,495 @@
-"""Experiment ``production``: a stream through a real proxy, and a quiet stream through its timeout.
+"""Notebook 08, SSE in production: a proxy in front, a browser as the client, a drain, what to watch.
 
-Two measurements with nginx (:mod:`labkit.experiments.proxy`) between the client and the service.
-
-**The burst probe.** One stream at a time, each condition in turn, repetitions interleaved. For
-every token event we know when the server wrote it (the hub's observer is called as the writer
-takes the token off its queue, just before it is sent: :class:`WriteClock`) and when it reached
-the client through the proxy; the difference is the proxy's hold-back. Conditions are nginx's
-``proxy_buffering`` on or off, the service's ``X-Accel-Buffering: no`` honoured or ignored
-(``proxy_ignore_headers``), and ``gzip`` on or off for ``text/event-stream``, plus the server
-read directly as the baseline. Events that arrive in one read were held and released together:
-a burst. The verdict is computed: a condition holds events back when its median hold-back is
-at least ``hold_floor_s`` and ten times the direct baseline's.
-
-**Keep-alive through an idle timeout.** The server decodes one sequence at a time
-(``max_batch=1``); a few long requests go in first, straight to the server, and the probe
-request is queued behind them, through the proxy, whose ``proxy_read_timeout`` is shorter than
-that wait. How many go first is measured, not guessed: one of them is timed on its own, and
-enough are queued to last ``quiet_factor`` read timeouts on this machine. Its ``start`` event goes out at once, then nothing until its first token. With the
-service's ``: ping`` comments every ``ping_interval`` seconds the proxy keeps reading and the
-stream survives; with the pings pushed out of reach (an interval of an hour) nginx gives up on
-the upstream and cuts the stream, which the client sees as a stream without its ``done``.
-
-Times are ``time.perf_counter()`` seconds: the server runs in this process, so its clock and
-the client's are one.
+:data:`PROXY` reads one request through nginx in eight settings at once (and directly, for the figure): a
+token's *lag* through one setting is how many more tokens had come through the fastest setting by then,
+less its start offset, so a hold-back is counted in tokens and a stall of nginx or of the client, which
+delays every setting alike, adds none. :data:`KEEPALIVE` queues a stream behind others so nginx's
+``proxy_read_timeout`` sees it quiet; :data:`BROWSER` drives headless Chromium on labkit's demo page;
+:data:`DRAIN` sends SIGTERM to a ``labkit serve`` process; :data:`WATCH` scrapes ``/metrics`` in waves.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import importlib.util
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections import Counter
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
-import httpx
 import numpy as np
 import pandas as pd
 
-from labkit.experiments.client import async_client, run_sync, timed_stream
-from labkit.experiments.profiles import Profile
-from labkit.experiments.progress import Progress, doing, tick
-from labkit.experiments.proxy import Route, running_nginx
-from labkit.experiments.readings import current_step, fetch_steps
-from labkit.experiments.records import EventSplitter, StreamResult
-from labkit.experiments.servers import loaded_model, server_like, serving
-from labkit.experiments.waiting import WaitTimeout, await_for, wait_for
-from labkit.experiments.workload import stream_body
+from labkit.experiments.deadline import GATE, GOODPUT, cancel
+from labkit.lab import Experiment, NotMeasurable, Process, ReadOptions, Request, Stream, Trial, judge, span, spread
+from labkit.lab.client import async_client, read, run_sync
+from labkit.lab.target import free_port
+from labkit.lab.witness import until, wait_for
+from labkit.prompts import PROMPTS
 
-NAME = "production"
-
-DIRECT = "direct"
-#: condition -> (proxy_buffering, X-Accel-Buffering honoured, gzip, HTTP version to the upstream).
-#: nginx 1.22 (Debian's) speaks HTTP/1.0 to the upstream unless told otherwise, so the service's
-#: response reaches it unchunked; the last condition is the one change to HTTP/1.1 (chunked).
-PROXY_CONDITIONS: dict[str, tuple[bool, bool, bool, str]] = {
-    "buffering-on": (True, True, False, "1.0"),
-    "buffering-on-accel-ignored": (True, False, False, "1.0"),
-    "buffering-off": (False, True, False, "1.0"),
-    "buffering-off-accel-ignored": (False, False, False, "1.0"),
-    "gzip-buffering-on": (True, True, True, "1.0"),
-    "gzip-buffering-on-accel-ignored": (True, False, True, "1.0"),
-    "gzip-buffering-off": (False, True, True, "1.0"),
-    "gzip-buffering-off-accel-ignored": (False, False, True, "1.0"),
-    "buffering-on-accel-ignored-http11": (True, False, False, "1.1"),
-}
-CONDITIONS = (DIRECT, *PROXY_CONDITIONS)
-#: Where the proxy should hold events back, and why: nginx buffers a response only with
-#: ``proxy_buffering on`` and the service's ``X-Accel-Buffering: no`` ignored; then it passes on
-#: what fills a buffer (4 KiB here) when the upstream body is unchunked (HTTP/1.0), and gzip
-#: holds the compressed stream until the end. Unbuffered, nginx forwards (and gzip flushes)
-#: every read from the upstream; a chunked upstream (HTTP/1.1) is forwarded chunk by chunk.
-EXPECTED_HOLD = {c: c in ("buffering-on-accel-ignored", "gzip-buffering-on-accel-ignored") for c in CONDITIONS}
-PINGS = ("on", "off")
-NO_PINGS_INTERVAL = 3600.0  # "pings off": an interval no measured stream stays quiet for
+Row = dict[str, Any]
+Tables = dict[str, pd.DataFrame]
+#: route: proxy_buffering, X-Accel-Buffering honoured, gzip, HTTP version to the upstream (nginx 1.22: 1.0)
+ROUTES = {"buffering-on": (1, 1, 0, "1.0"), "buffering-on-accel-ignored": (1, 0, 0, "1.0"),
+          "buffering-off": (0, 1, 0, "1.0"), "buffering-off-accel-ignored": (0, 0, 0, "1.0"),
+          "gzip-buffering-on": (1, 1, 1, "1.0"), "gzip-buffering-on-accel-ignored": (1, 0, 1, "1.0"),
+          "gzip-buffering-off-accel-ignored": (0, 0, 1, "1.0"),
+          "buffering-on-accel-ignored-http11": (1, 0, 0, "1.1")}  # fmt: skip
+HELD = ("buffering-on-accel-ignored", "gzip-buffering-on-accel-ignored")  # buffered, header ignored, unchunked
 
 
-@dataclass(frozen=True)
-class Config:
-    model: str = "tiny-gpt2"
-    tokens: int = 160  # per probe stream (ignore_eos: always this many); ~11 KiB of events
-    repetitions: int = 3
-    conditions: tuple[str, ...] = CONDITIONS
-    hold_floor_s: float = 0.005  # a median hold-back below this is no hold-back, whatever the ratio
-    # nginx's proxy_read_timeout for the keep-alive routes. nginx moves a timer only when the new
-    # deadline differs from the old by 300 ms or more (NGX_TIMER_LAZY_DELAY), so a read resets
-    # this timeout only once 300 ms have passed since the last reset: keep it well above that.
-    read_timeout: float = 1.0
-    ping_interval: float = 0.25  # the service's keepalive_interval with pings on
-    quiet_factor: float = 3.0  # the queue ahead of the quiet probe lasts this many read timeouts
-    blocker_tokens: int = 200  # per request in that queue (how many: measured, see quiet_queue)
-    keepalive_repetitions: int = 3
-    timeout: float = 120.0  # bounds every stream read
-
-    @classmethod
-    def for_profile(cls, profile: Profile) -> Config:
-        if profile.full:  # SmolLM2 writes a token every ~50 ms: a short answer already spans seconds
-            return cls(model=profile.model, tokens=64, blocker_tokens=30)
-        return cls(model=profile.model)
-
-    def __post_init__(self) -> None:
-        unknown = [c for c in self.conditions if c not in CONDITIONS]
-        if unknown or not self.conditions:
-            raise ValueError(f"production.Config.conditions must be among {CONDITIONS}, got {self.conditions!r}")
-        if min(self.tokens, self.repetitions, self.blocker_tokens, self.keepalive_repetitions) < 1:
-            raise ValueError("production.Config: tokens, repetitions and blocker_tokens must be >= 1")
-        if self.quiet_factor <= 1:
-            raise ValueError(f"production.Config.quiet_factor must be > 1, got {self.quiet_factor!r}")
-        if not 0 < self.ping_interval < self.read_timeout:
-            raise ValueError(
-                "production.Config.ping_interval must be > 0 and below read_timeout, "
-                f"got {self.ping_interval!r} and {self.read_timeout!r}"
-            )
+def location(name: str, upstream: str, buffering: int = 0, accel: int = 1, gzip: int = 0, http: str = "1.0",
+             read_timeout_s: float = 60.0) -> str:  # fmt: skip
+    """nginx's ``/<name>/…`` proxied to ``upstream``'s ``/…``; ``accel`` 0 ignores X-Accel-Buffering."""
+    on = ("off", "on")
+    return (f"location /{name}/ {{ proxy_pass {upstream}/; proxy_http_version {http}; proxy_set_header Connection "
+            f'""; proxy_ssl_server_name on; proxy_buffering {on[buffering]}; gzip {on[gzip]}; proxy_read_timeout '
+            f"{round(read_timeout_s * 1000)}ms; {'' if accel else 'proxy_ignore_headers X-Accel-Buffering;'} "
+            f"{'gzip_types text/event-stream; gzip_min_length 1; gzip_proxied any;' if gzip else ''} }}")  # fmt: skip
 
 
-def server_options(config: Config) -> dict[str, Any]:
-    return {"model": config.model}
+class Nginx:
+    """nginx (Debian's) on 127.0.0.1, generated config, one foreground process with every file it writes
+    in a temporary folder: :meth:`close` (the runner's, at the end) stops all that was started."""
 
-
-def units(config: Config) -> int:
-    return len(config.conditions) * config.repetitions + len(PINGS) * config.keepalive_repetitions
-
-
-def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
-    with serving(server, **server_options(config)) as srv:
-        first_step = current_step(srv.url)
-        events = burst_probe(srv, config, progress)
-        keepalive = keepalive_probe(loaded_model(srv, config.model), config, progress)
-        steps = fetch_steps(srv.url, since=first_step)  # the burst probe's server (keep-alive runs its own)
-    holdback = holdback_summary(events, config.hold_floor_s)
-    return {
-        "events": events,
-        "holdback": holdback,
-        "keepalive": keepalive,
-        "keepalive_summary": keepalive_summary(keepalive),
-        "steps": steps,
-    }
-
-
-# --------------------------------------------------------------------------- the server's clock
-
-
-class WriteClock:
-    """The hub's observer, plus the time the writer took each token of the current stream.
-
-    The hub calls its observer as the stream's writer takes a token, which the writer then
-    sends at once: that moment is when the server wrote the event. The observer is not told
-    which stream a token belongs to, so a clock serves one stream at a time.
-    """
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.times: list[float] = []
-
-    def first_token(self, seconds: float) -> None:
-        self.times = [time.perf_counter()]
-        if self.inner is not None:
-            self.inner.first_token(seconds)
-
-    def token_gap(self, seconds: float) -> None:
-        self.times.append(time.perf_counter())
-        if self.inner is not None:
-            self.inner.token_gap(seconds)
-
-
-@contextlib.contextmanager
-def write_clock(server: Any) -> Iterator[WriteClock]:
-    """A :class:`WriteClock` on ``server``'s hub for the block; the previous observer after."""
-    hub = server.hub
-    clock = WriteClock(hub.observer)
-    hub.observer = clock
-    try:
-        yield clock
-    finally:
-        hub.observer = clock.inner
-
-
-# --------------------------------------------------------------------------- the client
-
-
-@dataclass
-class Probe:
-    """A stream read with content decoding (gzip), every read's arrival time and size kept."""
-
-    result: StreamResult
-    reads: list[tuple[float, int]] = field(default_factory=list)
-    body: bytearray = field(default_factory=bytearray)
-
-    @property
-    def pings(self) -> int:
-        return self.body.count(b": ping\n")
-
-
-async def probe(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout: float) -> Probe:
-    """POST ``body`` to ``url`` accepting gzip, and read to the end; never raises for I/O.
-
-    :func:`~labkit.experiments.client.timed_stream` reads raw bytes, which a proxy that
-    compresses turns into gzip; this reads the decoded bytes, as a browser would.
-    """
-    seen = Probe(StreamResult(sent=time.perf_counter()))
-    result = seen.result
-
-    async def read() -> None:
-        async with client.stream("POST", url, json=body, headers={"accept-encoding": "gzip"}) as response:
-            result.headers_at, result.status = time.perf_counter(), response.status_code
-            result.headers, result.content_type = dict(response.headers), response.headers.get("content-type", "")
-            splitter = EventSplitter()
-            async for chunk in response.aiter_bytes():
-                now = time.perf_counter()
-                seen.reads.append((now, len(chunk)))
-                seen.body += chunk
-                result.total_bytes += len(chunk)
-                result.events += splitter.feed(chunk, now)
-            result.unfinished_bytes = splitter.pending
-            result.ended = time.perf_counter()
-
-    try:
-        await asyncio.wait_for(read(), timeout)
-    except (httpx.HTTPError, OSError, asyncio.TimeoutError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-    result.ended = result.ended or time.perf_counter()
-    return seen
-
-
-# --------------------------------------------------------------------------- the burst probe
-
-
-def proxy_routes(upstream: str, conditions: Sequence[str]) -> list[Route]:
-    return [
-        Route(name, upstream, buffering=b, honour_accel=h, gzip=g, http_version=v)
-        for name, (b, h, g, v) in PROXY_CONDITIONS.items()
-        if name in conditions
-    ]
-
-
-def burst_probe(server: Any, config: Config, progress: Progress | None = None) -> pd.DataFrame:
-    """One row per token event: condition, repetition, index, written_at, arrived_at, delay (s)."""
-    body = stream_body(0, config.tokens, ignore_eos=True)
-    rows: list[dict[str, Any]] = []
-    with running_nginx(proxy_routes(server.url, config.conditions)) as nginx, write_clock(server) as clock:
-        for rep in range(config.repetitions):
-            order = (
-                config.conditions[rep % len(config.conditions) :] + config.conditions[: rep % len(config.conditions)]
-            )
-            for condition in order:  # interleaved, and each repetition starts elsewhere
-                doing(progress, f"{condition}, repetition {rep + 1}/{config.repetitions}")
-                base = server.url if condition == DIRECT else nginx.base(condition)
-                seen = run_sync(_one_probe(f"{base}/v1/stream", body, config.timeout))
-                rows += event_rows(condition, rep, seen, clock.times)
-                tick(progress, events=rows)
-    return pd.DataFrame(
-        rows,
-        columns=["condition", "repetition", "index", "written_at", "arrived_at", "delay", "read", "content_encoding"],
-    )
-
-
-async def _one_probe(url: str, body: dict[str, Any], timeout: float) -> Probe:
-    async with async_client("http://unused", connections=1, timeout=timeout) as client:
-        return await probe(client, url, body, timeout)
-
-
-def event_rows(condition: str, rep: int, seen: Probe, written: list[float]) -> list[dict[str, Any]]:
-    result = seen.result
-    if result.error or result.terminal is None:
-        raise RuntimeError(f"{condition}: the probe stream did not finish ({result.error or 'no done event'})")
-    tokens = result.tokens
-    if len(written) != len(tokens):
-        raise RuntimeError(
-            f"{condition}: the server wrote {len(written)} tokens, the client read {len(tokens)}; "
-            "was another stream running on this server?"
+    def __init__(self, what: str, locations: dict[str, str], **notes: Any) -> None:
+        exe = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
+        if exe is None:
+            raise NotMeasurable(what, "nginx is not installed here (apt-get install nginx)")
+        self.folder, self.port, self.notes = Path(tempfile.mkdtemp(prefix="labkit-nginx-")), free_port(), notes
+        temps = " ".join(f"{k}_temp_path {self.folder / k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi"))
+        conf, log = self.folder / "nginx.conf", str(self.folder / "error.log")
+        conf.write_text(f"daemon off; master_process off; pid {self.folder / 'nginx.pid'}; events {{ }}\nhttp {{ "
+                        f"access_log off; scgi_temp_path {self.folder / 'scgi'}; {temps}\nserver {{ listen "
+                        f"127.0.0.1:{self.port};\n" + "\n".join(locations.values()) + "\n} }")  # fmt: skip
+        command = [exe, "-p", str(self.folder), "-e", log, "-c", str(conf)]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
         )
-    read_of = {t: i for i, (t, _) in enumerate(seen.reads)}
-    encoding = result.headers.get("content-encoding", "identity")
-    return [
-        {
-            "condition": condition,
-            "repetition": rep,
-            "index": e.data["index"],
-            "written_at": written[e.data["index"]] - result.sent,
-            "arrived_at": e.time - result.sent,
-            "delay": e.time - written[e.data["index"]],
-            "read": read_of[e.time],
-            "content_encoding": encoding,
-        }
-        for e in tokens
-    ]
+        try:
+            wait_for(self._accepting, timeout=10.0, what=f"nginx to accept on port {self.port}")
+        except BaseException:
+            self.close()
+            raise
+
+    def _accepting(self) -> bool:
+        if self.process.poll() is not None:
+            log = (self.folder / "error.log").read_text(errors="replace")[-800:].strip()
+            raise RuntimeError(f"nginx exited with {self.process.returncode} at start: {log}")
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+        except OSError:
+            return False
+        return True
+
+    def base(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{name}"
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def holdback_summary(events: pd.DataFrame, floor_s: float = Config.hold_floor_s) -> pd.DataFrame:
-    """Per condition: hold-back (median, p90, max), bursts, and the verdict against the direct run."""
-    rows = []
-    for condition, group in events.groupby("condition", sort=False):
-        per_read = group.groupby(["repetition", "read"]).size()
-        in_bursts = int(per_read[per_read >= 2].sum())
-        buffering, honoured, gzip, http = PROXY_CONDITIONS.get(str(condition), (None, None, None, None))
-        rows.append(
-            {
-                "condition": condition,
-                "proxy": condition != DIRECT,
-                "proxy_buffering": buffering,
-                "accel_header": None if honoured is None else ("honoured" if honoured else "ignored"),
-                "gzip": gzip,
-                "upstream_http": http,
-                "content_encoding": group.content_encoding.iloc[0],
-                "repetitions": group.repetition.nunique(),
-                "events": len(group),
-                "median_delay_ms": 1000 * group.delay.median(),
-                "p90_delay_ms": 1000 * group.delay.quantile(0.9),
-                "max_delay_ms": 1000 * group.delay.max(),
-                "reads_per_stream": per_read.groupby(level=0).size().median(),
-                "largest_burst": int(per_read.max()),
-                "events_in_bursts": in_bursts,
-                "share_in_bursts": in_bursts / len(group),
-            }
-        )
-    table = pd.DataFrame(rows)
-    return table.assign(holds_back=verdicts(table, floor_s))
+async def gather(*reads: Any) -> list[Any]:
+    return list(await asyncio.gather(*reads))
 
 
-def verdicts(table: pd.DataFrame, floor_s: float = Config.hold_floor_s) -> list[bool]:
-    """A condition holds events back when its median hold-back is at least ``floor_s`` and ten
-    times the direct baseline's (the baseline's own median when there is one)."""
-    direct = table.loc[table.condition == DIRECT, "median_delay_ms"]
-    base = float(direct.iloc[0]) if len(direct) else 0.0
-    threshold = max(1000 * floor_s, 10 * base)
-    return [bool(c != DIRECT and d >= threshold) for c, d in zip(table.condition, table.median_delay_ms)]
+# --------------------------------------------------------------------------- nginx in front
+
+
+def measure_proxy(trial: Trial) -> list[Row]:
+    target, s, nginx = trial.target, trial.sizes, trial.state
+    request, options = target.request(PROMPTS[0], s.tokens), ReadOptions(timeout=s.timeout)
+    reads = [read(nginx.base(r), request, ReadOptions(gzip=bool(v[2]), timeout=s.timeout)) for r, v in ROUTES.items()]
+    direct, *proxied = run_sync(gather(target.stream(request, options), *reads))
+    n = min(len(st.token_times) for st in proxied)  # the clock: each token's first arrival through any setting
+    rows, clock = [], np.min([st.token_times[:n] for st in proxied], axis=0) if n else np.zeros(0)
+    for route, st in zip(ROUTES, proxied):
+        ahead = [int(np.searchsorted(clock, t, side="right")) - i - 1 for i, t in enumerate(st.token_times[:n])] or [-1]
+        lags = [a - min(ahead) for a in ahead]  # less the route's start offset (admitted a few steps later)
+        burst = max(Counter(st.token_times).values(), default=0)  # tokens that arrived in one read
+        rows.append({"route": route, "whole": st.ok and direct.ok and st.tokens == direct.tokens == s.tokens,
+                     "encoding": st.headers.get("content-encoding", "identity"), "median_lag": float(np.median(lags)),
+                     "max_lag": max(lags), "largest_burst": burst})  # fmt: skip
+        trial.keep("arrivals", [{"route": route, "token": i, "proxied_s": t - st.sent, "direct_s": d - direct.sent}
+                                for i, (t, d) in enumerate(zip(st.token_times, direct.token_times))])  # fmt: skip
+    return rows
+
+
+def proxy_tables(t: Tables, s: Any) -> Tables:
+    rows = t["rows"].assign(held=lambda d: d.median_lag >= s.held_lag)
+    held = rows.groupby("route").agg(held=("held", "sum"), runs=("held", "size"), encoding=("encoding", "first"))
+    routes = spread(rows, "route", ["median_lag", "max_lag", "largest_burst"]).join(held, on="route")
+    settings = pd.DataFrame.from_dict(ROUTES, orient="index", columns=["buffering", "accel_honoured", "gzip", "http"])
+    routes = routes.join(settings.astype({"buffering": bool, "accel_honoured": bool, "gzip": bool}), on="route")
+    return {"rows": rows, "routes": routes.assign(expected=lambda d: d.route.isin(HELD))}
+
+
+def proxy_verdicts(t: Tables, s: Any) -> list:
+    rows = t["rows"]
+    lags = "; ".join(f"{r}: {span(g.median_lag, '{:.0f}')}" for r, g in rows.groupby("route", sort=False))
+    return [judge("every stream whole through nginx", "every proxied stream ends whole, as long as the direct one",
+                  "any failed, cut or shorter", bool(rows.whole.all()), f"{int((~rows.whole).sum())} of {len(rows)} "
+                  "not whole", checked=True),
+            judge("nginx holds events back only where it buffers", f"a median lag of {s.held_lag} tokens or more "
+                  "exactly with buffering on, the header ignored and an unchunked upstream", "a run of any setting on "
+                  "the wrong side", bool((rows.held == rows.route.isin(HELD)).all()), f"median lags: {lags}",
+                  checked=True)]  # fmt: skip
+
+
+def proxy_plots(t: Tables, s: Any) -> list:
+    from labkit.plots import new_figure
+
+    a = t["arrivals"][t["arrivals"].repetition == 0]
+    fig, (ax,) = new_figure("production_proxy", width=8.0)
+    for row, (_, g) in enumerate(a.groupby("route", sort=False)):
+        ax.plot(g.direct_s, [row + 0.15] * len(g), "|", color="0.6", markersize=7)
+        ax.plot(g.proxied_s, [row - 0.15] * len(g), "|", color="C0", markersize=7)
+    ax.set_yticks(range(a.route.nunique()), list(dict.fromkeys(a.route)))
+    ax.invert_yaxis()
+    ax.set(xlabel="seconds since sent (grey: the same stream read directly; blue: through nginx)",
+           title="When each token arrived through nginx")  # fmt: skip
+    return [fig]
+
+
+PROXY = Experiment(
+    name="production.proxy", title="nginx in front: when each event reaches the client, per proxy setting",
+    sizes={p: {"tokens": n, "held_lag": 8, "repetitions": 3, "timeout": 120.0} for p, n in (("full", 64), ("ci", 256))},
+    prepare=lambda target, s: Nginx("production.proxy", {r: location(r, target.url, *v) for r, v in ROUTES.items()}),
+    measure=measure_proxy, tables=proxy_tables, verdicts=proxy_verdicts, plots=proxy_plots,
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- keep-alive
 
 
-def keepalive_probe(model: Any, config: Config, progress: Progress | None = None) -> pd.DataFrame:
-    """One row per quiet probe: pings on or off, whether it survived the proxy's read timeout."""
-    rows: list[dict[str, Any]] = []
-    intervals = {"on": config.ping_interval, "off": NO_PINGS_INTERVAL}
-    with contextlib.ExitStack() as stack:
-        servers = {
-            p: stack.enter_context(server_like(None, model, max_batch=1, keepalive_interval=intervals[p]))
-            for p in PINGS
-        }
-        routes = [Route(f"pings-{p}", servers[p].url, buffering=False, read_timeout=config.read_timeout) for p in PINGS]
-        nginx = stack.enter_context(running_nginx(routes))
-        blockers, blocker_s = quiet_queue(servers["on"], config)
-        for rep in range(config.keepalive_repetitions):
-            for pings in PINGS if rep % 2 == 0 else PINGS[::-1]:
-                doing(progress, f"pings {pings}, repetition {rep + 1}/{config.keepalive_repetitions}")
-                seen = run_sync(_quiet_probe(servers[pings], nginx.base(f"pings-{pings}"), blockers, config))
-                rows.append(
-                    keepalive_row(pings, intervals[pings], rep, config, seen)
-                    | {"queued_ahead": blockers, "expected_wait_s": blockers * blocker_s}
-                )
-                _wait_idle(servers[pings], config.timeout)
-                tick(progress, keepalive=rows)
-    return pd.DataFrame(rows)
+def pings_server(s: Any, c: Row) -> Row:
+    return {"max_batch": 1, "keepalive_interval": s.ping_interval_s if c["pings"] == "on" else 3600.0}
 
 
-def quiet_queue(server: Any, config: Config) -> tuple[int, float]:
-    """How many blocker requests make a queue that lasts ``quiet_factor`` read timeouts, and
-    how long one took here: the faster of two timed alone, straight to the server (the first
-    may pay for warming up)."""
-
-    async def two() -> list[StreamResult]:
-        async with async_client(server.url, connections=1, timeout=config.timeout) as client:
-            return [
-                await timed_stream(client, stream_body(1, config.blocker_tokens, ignore_eos=True)) for _ in range(2)
-            ]
-
-    results = run_sync(two())
-    if any(r.terminal is None or r.duration is None for r in results):
-        raise RuntimeError(f"a timing request did not finish: {[r.error for r in results]}")
-    seconds = min(r.duration for r in results if r.duration is not None)
-    blockers = max(1, int(np.ceil(config.quiet_factor * config.read_timeout / seconds)))
-    if blockers > 256:
-        raise RuntimeError(
-            f"one {config.blocker_tokens}-token request took {seconds:.4f} s: "
-            "raise blocker_tokens so that a queue of them outlasts the read timeout"
-        )
-    return blockers, seconds
+def prepare_keepalive(target: Any, s: Any) -> Nginx:
+    """nginx with a short read timeout before each server, and how many blockers queued ahead keep a
+    stream quiet for ``quiet_factor`` read timeouts (from one blocker timed here, the faster of two)."""
+    servers = {p: target.variant(**pings_server(s, {"pings": p})) for p in ("on", "off")}
+    took = min(servers["on"].read(servers["on"].request(PROMPTS[1], s.blocker_tokens)).duration for _ in range(2))
+    return Nginx("production.keepalive", {p: location(p, t.url, read_timeout_s=s.read_timeout_s) for p, t in
+                 servers.items()}, blockers=int(np.ceil(s.quiet_factor * s.read_timeout_s / took)))  # fmt: skip
 
 
-async def _quiet_probe(server: Any, base: str, count: int, config: Config) -> Probe:
-    """``count`` blockers straight to the server first; then the probe, through the proxy, queued behind them."""
-    blockers = [StreamResult(sent=0.0) for _ in range(count)]
-    body = stream_body(1, config.blocker_tokens, ignore_eos=True)
-    async with async_client(server.url, connections=count + 1, timeout=config.timeout) as client:
-        tasks = [asyncio.ensure_future(timed_stream(client, body, result=r)) for r in blockers]
+def measure_keepalive(trial: Trial) -> Row:
+    target, s, n = trial.target, trial.sizes, trial.state.notes["blockers"]
+
+    async def quiet() -> Stream:
+        blockers = [Stream(api=target.api) for _ in range(n)]
+        tasks = [asyncio.ensure_future(target.stream(target.request(PROMPTS[1], s.blocker_tokens), result=b))
+                 for b in blockers]  # fmt: skip
         try:
-            with contextlib.suppress(WaitTimeout):  # at the bound the probe goes anyway
-                await await_for(  # every blocker submitted (its headers came back) first
-                    lambda: all(r.status for r in blockers),
-                    timeout=config.timeout,
-                    what="blockers' heads",
-                    interval=0.005,
-                )
-            return await probe(client, f"{base}/v1/stream", stream_body(2, 8, ignore_eos=True), config.timeout)
+            await until(lambda: all(b.status or b.ended for b in blockers), timeout=s.timeout, what="the blockers")
+            probe = target.request(PROMPTS[2], 8)
+            return await read(trial.state.base(trial.pings), probe, ReadOptions(timeout=s.timeout))
         finally:
-            for task in tasks:
-                task.cancel()  # the blockers' work is done: leaving cancels their generation
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel(tasks)
+
+    probe = run_sync(quiet())
+    target.wait_idle()
+    return {"survived": probe.ok, "quiet_s": probe.ttft, "ended_s": probe.duration, "queued_ahead": n,
+            "failure": probe.failure}  # fmt: skip
 
 
-def keepalive_row(pings: str, interval: float, rep: int, config: Config, seen: Probe) -> dict[str, Any]:
-    result = seen.result
-    times = [result.headers_at or result.sent] + [t for t, _ in seen.reads] + [result.ended or time.perf_counter()]
-    first = result.tokens[0].time if result.tokens else None
-    return {
-        "pings": pings,
-        "ping_interval_s": interval,
-        "read_timeout_s": config.read_timeout,
-        "repetition": rep,
-        "status": result.status,
-        "survived": result.terminal is not None and result.terminal.event == "done",
-        "ended_by": result.terminal.event if result.terminal else "cut",
-        "tokens": len(result.tokens),
-        "pings_received": seen.pings,
-        "wait_for_first_token_s": None if first is None else first - result.sent,
-        "longest_silence_s": float(np.max(np.diff(times))) if len(times) > 1 else None,
-        "ended_s": result.ended - result.sent if result.ended else None,
-        "client_error": result.error,
-    }
+def keepalive_verdicts(t: Tables, s: Any) -> list:
+    on, off = (t["rows"][t["rows"].pings == p] for p in ("on", "off"))
+    return [judge("pings keep a quiet stream through the proxy", "quiet past proxy_read_timeout, a stream survives "
+                  "with pings and is cut without", "one on the wrong side, or one with pings not quiet that long",
+                  bool(len(on) and len(off) and on.survived.all() and not off.survived.any() and (on.quiet_s >
+                  s.read_timeout_s).all()), f"pings on: {int(on.survived.sum())} of {len(on)} survived, quiet "
+                  f"{span(on.quiet_s, '{:.1f}', ' s')}; off: {int(off.survived.sum())} of {len(off)}",
+                  checked=True)]  # fmt: skip
 
 
-def _wait_idle(server: Any, timeout: float) -> None:
-    """Until ``GET /stats`` says nothing runs, waits or is paused (read on the server's loop, not
-    from the engine in this thread)."""
-
-    def idle() -> bool:
-        stats = httpx.get(f"{server.url}/stats", timeout=10.0).json()
-        return stats["running"] == 0 and stats["waiting"] == 0 and stats.get("paused", 0) == 0
-
-    wait_for(idle, timeout=timeout, what="the server's engine to go idle after a keep-alive probe", interval=0.01)
+KEEPALIVE = Experiment(
+    name="production.keepalive", title="A quiet stream through proxy_read_timeout, with pings and without",
+    sizes={p: {"read_timeout_s": 1.0, "ping_interval_s": 0.25, "quiet_factor": 3.0, "blocker_tokens": n,
+               "repetitions": 3, "timeout": 120.0} for p, n in (("full", 24), ("ci", 200))},
+    conditions=lambda s, target: [{"pings": "on"}, {"pings": "off"}], server=pings_server, prepare=prepare_keepalive,
+    measure=measure_keepalive, verdicts=keepalive_verdicts, needs=("settings",),
+)  # fmt: skip
 
 
-def keepalive_summary(keepalive: pd.DataFrame) -> pd.DataFrame:
-    """Per pings setting: how many quiet streams survived, how long they waited, when the cut ones ended."""
-    rows = []
-    for pings, group in keepalive.groupby("pings", sort=False):
-        rows.append(
-            {
-                "pings": pings,
-                "ping_interval_s": group.ping_interval_s.iloc[0],
-                "read_timeout_s": group.read_timeout_s.iloc[0],
-                "runs": len(group),
-                "survived": int(group.survived.sum()),
-                "median_wait_for_first_token_s": group.wait_for_first_token_s.median(),
-                "median_longest_silence_s": group.longest_silence_s.median(),
-                "median_ended_s": group.ended_s.median(),
-                "median_pings_received": group.pings_received.median(),
-            }
-        )
-    return pd.DataFrame(rows)
+# --------------------------------------------------------------------------- the browser
 
 
-# --------------------------------------------------------------------------- report
+class Chromium:
+    """Headless Chromium (Debian's) through its chromedriver, driven by Selenium: nothing is downloaded."""
+
+    def __init__(self, target: Any, s: Any) -> None:
+        missing = [p for p in ("chromium", "chromedriver") if shutil.which(p) is None]
+        if missing or importlib.util.find_spec("selenium") is None:
+            raise NotMeasurable("production.browser", f"{' and '.join(missing) or 'selenium'} not installed here "
+                                "(apt-get install chromium chromium-driver; selenium is a lab extra)")  # fmt: skip
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+
+        options = webdriver.ChromeOptions()
+        options.binary_location = str(shutil.which("chromium"))
+        for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--no-first-run"):
+            options.add_argument(arg)
+        self.driver = webdriver.Chrome(service=Service(executable_path=shutil.which("chromedriver")), options=options)
+
+    def close(self) -> None:
+        self.driver.quit()
 
 
-def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
-    hold = tables["holdback"].set_index("condition")
-    keep = tables["keepalive_summary"].set_index("pings")
-    return {
-        "holds_back": {c: bool(v) for c, v in hold.holds_back.items()},
-        "median_delay_ms": {c: round(float(v), 2) for c, v in hold.median_delay_ms.items()},
-        "max_delay_ms": {c: round(float(v), 2) for c, v in hold.max_delay_ms.items()},
-        "keepalive_survived": {p: f"{int(r.survived)}/{int(r.runs)}" for p, r in keep.iterrows()},
-    }
+def measure_browser(trial: Trial) -> Row:
+    s, driver, cut = trial.sizes, trial.state.driver, trial.cut_after
+    query = {"prompt": PROMPTS[3], "max_new_tokens": s.tokens, "mode": "eventsource"}
+    query |= {"retry": trial.retry_ms, "drop_after": cut} if cut else {}
+    driver.get(f"{trial.target.url}/lab/demo?{urlencode(query)}")
+
+    def finished() -> Any:  # what the page recorded, once it is over
+        page = json.loads(driver.execute_script("return JSON.stringify((window.labkitDemo || {}).eventsource || {});"))
+        return (page.get("finished") or page.get("failure")) and page
+
+    page = wait_for(finished, timeout=s.timeout, what="the demo page to finish", interval=0.05)
+    events, conns = page.get("events", []), page.get("connections", [])
+    trial.keep("events", [{"id": str(e["id"]), "type": e["type"], "data": "" if e["type"] == "start" else e["data"]}
+                          for e in events])  # fmt: skip
+    opens, cuts = ([c["t"] for c in conns if c["kind"] == kind] for kind in ("open", "network-error"))
+    after, ids = [e for e in events if len(opens) > 1 and e["t"] >= opens[1]], [str(e["id"]) for e in events]
+    once = ids == [str(i + 1) for i in range(len(ids))]
+    return {"ended_by": page.get("ended_by") or page.get("failure"), "events": len(events), "connections": len(opens),
+            "reconnect_ms": opens[1] - cuts[0] if len(opens) > 1 and cuts else None, "first_id_after":
+            int(after[0]["id"]) if after else None, "ids_once_in_order": once}  # fmt: skip
 
 
-def report(tables: dict[str, pd.DataFrame]) -> str:
-    """Stable text for any profile: did each condition hold events back where nginx should (and
-    only there), and did pings (only) carry a quiet stream through the read timeout."""
-    lines = []
-    for row in tables["holdback"].itertuples():
-        expected = EXPECTED_HOLD.get(row.condition)
-        said = "holds events back" if row.holds_back else "passes events on at once"
-        lines.append(
-            f"{row.condition}: {said}"
-            + ("" if bool(row.holds_back) == expected else f" (NOT as expected: {'held' if expected else 'not held'})")
-        )
-    for row in tables["keepalive_summary"].itertuples():
-        want = "every quiet stream survived" if row.pings == "on" else "every quiet stream was cut"
-        ok = row.survived == row.runs if row.pings == "on" else row.survived == 0
-        got = want if ok else f"{int(row.survived)} of {int(row.runs)} quiet streams survived: NOT {want}"
-        lines.append(f"pings {row.pings}, proxy_read_timeout {row.read_timeout_s:g} s: {got}")
-    return "\n".join(lines)
+def browser_tables(t: Tables, s: Any) -> Tables:
+    rows, events = t["rows"].copy(), t["events"].fillna("").astype({"id": str, "data": str})
+    seen = {key: list(zip(g.id, g.type, g.data)) for key, g in events.groupby(["repetition", "retry_ms"])}
+    rows["same_as_uninterrupted"] = [seen.get((r.repetition, r.retry_ms)) == seen.get((r.repetition, 0))
+                                     for r in rows.itertuples()]  # fmt: skip
+    return {"rows": rows, "delays": spread(rows[rows.cut_after > 0], "retry_ms", "reconnect_ms")}
 
 
-def plot(tables: dict[str, pd.DataFrame]) -> list:
+def browser_verdicts(t: Tables, s: Any) -> list:
+    rows = t["rows"]
+    cut, by = rows[rows.cut_after > 0], rows[rows.cut_after > 0].groupby("retry_ms").reconnect_ms
+    resumed = bool(len(cut) and (cut.connections == 2).all() and (cut.first_id_after == cut.cut_after + 1).all()
+                   and rows.same_as_uninterrupted.all() and rows.ids_once_in_order.all()
+                   and (rows.ended_by == "done").all())  # fmt: skip
+    ordered = bool((cut.reconnect_ms >= cut.retry_ms).all() and (by.max().values[:-1] < by.min().values[1:]).all())
+    firsts = sorted(set(cut.first_id_after.dropna().astype(int)))
+    delays = "; ".join(f"retry {r} ms: {span(g, '{:.0f}', ' ms')}" for r, g in by)
+    return [judge("the browser resumes exactly", "cut, EventSource reconnects by itself with Last-Event-ID and ends "
+                  "with the uninterrupted run's events", "a cut run otherwise", resumed,
+                  f"{int(cut.same_as_uninterrupted.sum())} of {len(cut)} cut runs equal; first ids after: {firsts}",
+                  checked=True),
+            judge("retry: sets the reconnect delay", "at least the retry: value, longer for a longer one",
+                  "sooner, or overlapping", ordered, delays)]  # fmt: skip
+
+
+BROWSER = Experiment(
+    name="production.browser", title="Headless Chromium's EventSource, cut mid-stream by the server",
+    sizes={p: {"tokens": 24, "cut_after": 8, "retries_ms": (250, 1500), "repetitions": 3, "timeout": 60.0}
+           for p in ("full", "ci")},
+    conditions=lambda s, target: [{"cut_after": 0, "retry_ms": 0}, *({"cut_after": s.cut_after, "retry_ms": r}
+                                                                      for r in s.retries_ms)],
+    prepare=Chromium, measure=measure_browser, tables=browser_tables, verdicts=browser_verdicts, needs=("lab",),
+)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- drain
+
+
+def drain_server(target: Any, s: Any) -> Process | None:
+    """The target where the lab started it; beside labkit in this process, ``labkit serve`` with the
+    drain's settings (two slots: the holder's and one more, so some streams wait); else not measurable."""
+    if target.caps.restart or not target.caps.settings:
+        return None if target.caps.restart else target.need("restart", what="production.drain")
+    slower = {k: v for k, v in getattr(target, "settings", {}).items() if k == "step_delay"}
+    return Process.labkit(target.model, max_batch=2, policy="pause", pad_bytes=s.pad_bytes, sndbuf=4096,
+                          drain_grace=s.drain_grace_s, log_level="warning", **slower)  # fmt: skip
+
+
+def measure_drain(trial: Trial) -> Row:
+    server: Any = trial.state or trial.target
+    streams, probes, code, exited_s = run_sync(drain(server, trial.sizes))
+    server.stop()
+    server.start()  # the same command on the same port: a restart
+    told = [st for st in streams if "x-resume-token" in st.headers]
+    trial.keep("resumes", [{"status": server.read(Request(f"/v1/streams/{st.request_id}/events?token="
+               f"{st.headers['x-resume-token']}", None, method="GET", headers={"Last-Event-ID": st.last_event_id
+               or "0"})).status} for st in told])  # fmt: skip
+    trial.keep("streams", [{"stream": i, "resumable": st in told, "tokens": st.tokens, "ended_by": "done" if st.ok
+                            else st.finish_reason if st.stream_error else "cut"}
+                           for i, st in enumerate(streams)])  # fmt: skip
+    trial.keep("probes", probes)
+    return {"exit_code": code, "exited_s": exited_s, "drain_grace_s": trial.sizes.drain_grace_s}
+
+
+async def drain(server: Any, s: Any) -> tuple[list[Stream], list[Row], int, float]:
+    leave = asyncio.Event()  # a client that never reads holds a slot: its blocked writer keeps the drain open
+    hold = ReadOptions(read=False, leave_after_s=s.timeout, rcvbuf=4096)
+    holder = asyncio.ensure_future(read(server.url, server.request("I never read", s.tokens), hold, leave=leave))
+    await asyncio.to_thread(wait_for, lambda: server.stats()["running"], timeout=s.timeout, what="the holder running")
+    streams = [Stream(api=server.api) for _ in range(s.streams)]
+    tasks = [asyncio.ensure_future(server.stream(server.request(f"Stream {i} before the restart", s.tokens,
+             resumable=i % 2 == 1), ReadOptions(timeout=s.timeout), result=st))
+             for i, st in enumerate(streams)]  # fmt: skip
+    await until(lambda: all(st.status for st in streams) and any(st.tokens >= 3 for st in streams),
+                timeout=s.timeout, what="every stream open and one decoding")  # fmt: skip
+    proc, signalled = server.proc, time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    exit_wait = asyncio.ensure_future(asyncio.to_thread(lambda: (proc.wait(s.drain_grace_s + 60), time.perf_counter())))
+    probes: list[Row] = []
+    while time.perf_counter() - signalled < s.drain_grace_s + 60:  # a new request after each answer until refused
+        p = await read(server.url, server.request("A request in the drain", 2, stream=False), ReadOptions(timeout=5))
+        kind = ((p.body or {}).get("error") or {}).get("type") if isinstance(p.body, dict) else None
+        probes.append({"sent_s": p.sent - signalled, "status": p.status, "retry_after": p.headers.get("retry-after"),
+                       "type": kind or ("refused at the socket" if p.status == 0 else "answered")})  # fmt: skip
+        if p.status == 0:
+            break
+        await asyncio.sleep(s.probe_every_s)
+    code, exited = await exit_wait
+    leave.set()
+    await asyncio.gather(holder, *tasks)
+    return streams, probes, code, exited - signalled
+
+
+def drain_verdicts(t: Tables, s: Any) -> list:
+    rows, streams, probes, resumes = t["rows"], t["streams"], t["probes"], t["resumes"]
+    answered, told, ended = probes[probes.status != 0], streams[streams.resumable], ("done", "shutdown")
+    refused = bool(len(answered) and (answered.status == 503).all() and answered.retry_after.notna().all()
+                   and answered.type.isin(["draining", "shutdown"]).all()
+                   and (answered.type == "draining").any())  # fmt: skip
+    counts = ", ".join(f"{n} {k}" for k, n in probes.groupby("type").size().items())
+    return [judge("drain ends every open stream", "each with its done or an error event of type shutdown", "one cut "
+                  "or ended otherwise", bool(len(streams) and streams.ended_by.isin(ended).all()), f"of {len(streams)}:"
+                  f" " + ", ".join(f"{n} {k}" for k, n in streams.groupby("ended_by").size().items()), checked=True),
+            judge("drain refuses new work", "503 with Retry-After, type draining (or shutdown, if admitted as the "
+                  "drain began)", "any other answer, or no draining one", refused, counts, checked=True),
+            judge("exits within its drain grace", "exit 0 within drain_grace (and two seconds to exit)", "otherwise",
+                  bool((rows.exit_code == 0).all() and (rows.exited_s <= rows.drain_grace_s + 2).all()), f"exit "
+                  f"{sorted(set(rows.exit_code))} after {span(rows.exited_s, '{:.2f}', ' s')} "
+                  f"(grace {s.drain_grace_s:g} s)"),
+            judge("a restarted process answers the resume with 404", "a resumable stream is told why it ended; its "
+                  "resume after the restart gets 404", "otherwise", bool(len(resumes) and (resumes.status == 404).all()
+                  and told.ended_by.isin(ended).all()), f"{len(told)} resumable streams ended "
+                  f"{sorted(set(told.ended_by))}; resumes answered {sorted(set(resumes.status))}",
+                  checked=True)]  # fmt: skip
+
+
+DRAIN = Experiment(
+    name="production.drain", title="SIGTERM to a labkit serve process with streams open, then a restart",
+    sizes={p: {"streams": 4, "tokens": n, "drain_grace_s": 3.0, "pad_bytes": 16384, "probe_every_s": 0.05,
+               "repetitions": 1, "timeout": 120.0} for p, n in (("full", 60), ("ci", 400))},
+    prepare=drain_server, measure=measure_drain, verdicts=drain_verdicts,
+    tables=lambda t, s: {"answers": t["probes"].groupby(["status", "type"]).size().rename("probes").reset_index()},
+)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- what to watch
+
+GAUGES = {"labkit_open_streams": "open", "labkit_queue_depth": "queued", "labkit_running_requests": "running",
+          "labkit_kv_blocks_in_use": "kv_blocks",
+          "labkit_time_to_first_token_seconds_count": "first_tokens"}  # fmt: skip
+
+
+def measure_watch(trial: Trial) -> Row:
+    target, s, scrapes = trial.target, trial.sizes, []
+    before, t0 = target.metrics(), time.perf_counter()
+    if not set(GAUGES) <= set(before):
+        raise NotMeasurable("production.metrics", f"its /metrics lacks labkit's gauges ({', '.join(GAUGES)})")
+
+    def scrape(mark: str = "") -> None:
+        now = target.metrics()
+        m = {short: now[name] - (before[name] if short == "first_tokens" else 0) for name, short in GAUGES.items()}
+        scrapes.append({"t_s": time.perf_counter() - t0, "mark": mark, **m})
+
+    streams = run_sync(waves(target, s, scrape))
+    wait_for(lambda: target.metrics()["labkit_open_streams"] == 0, timeout=s.timeout, what="no open stream")
+    scrape("after")
+    trial.keep("scrapes", scrapes)
+    return {"requests": len(streams), "done": sum(st.ok for st in streams)}
+
+
+async def waves(target: Any, s: Any, scrape: Any) -> list[Stream]:
+    """Wave after wave of ``per_wave`` streams, ``/metrics`` scraped every ``scrape_every_s`` beside them;
+    a wave is also scraped once ``max_batch`` of its streams have ``mark_tokens`` tokens (the batch full,
+    the rest queued), and the next is sent once all of it has begun: moments counted in tokens."""
+    streams: list[Stream] = []
+
+    async def every() -> None:
+        while True:
+            await asyncio.sleep(s.scrape_every_s)
+            await asyncio.to_thread(scrape)
+
+    timer = asyncio.ensure_future(every())
+    async with async_client(target.url, s.waves * s.per_wave, s.timeout) as client:
+        for w in range(s.waves):
+            wave = [Stream(api=target.api) for _ in range(s.per_wave)]
+            for i, st in enumerate(wave):
+                asyncio.ensure_future(target.stream(target.request(PROMPTS[(w * s.per_wave + i) % len(PROMPTS)],
+                                                                   s.tokens), client=client, result=st))  # fmt: skip
+            await until(lambda w=wave: sum(st.tokens >= s.mark_tokens for st in w) >= s.max_batch,
+                        timeout=s.timeout, what="a full batch")  # fmt: skip
+            await asyncio.to_thread(scrape, f"wave {w + 1}")
+            await until(lambda w=wave: all(st.tokens or st.ended for st in w), timeout=s.timeout, what="its turn")
+            streams += wave
+        await until(lambda: all(st.ended for st in streams), timeout=s.timeout, what="every stream's end")
+    await cancel([timer])
+    return streams
+
+
+def watch_verdicts(t: Tables, s: Any) -> list:
+    rows, scrapes = t["rows"], t["scrapes"]
+    marked, after = scrapes[scrapes.mark.str.startswith("wave")], scrapes[scrapes.mark == "after"]
+    full = marked[(marked.queued > 0) & (marked.running == scrapes.running.max())]
+    left = after[["open", "queued", "kv_blocks"]].to_numpy().astype(int).tolist()
+    settled = bool((after.first_tokens.to_numpy() == rows.requests.to_numpy()).all() and not np.any(left)
+                   and (rows.done == rows.requests).all())  # fmt: skip
+    return [judge("a queue shows while the batch is full", "a scrape as a wave fills the batch sees a queue and the "
+                  "batch at its fullest", "any without", len(full) == len(marked) > 0, f"{len(full)} of {len(marked)} "
+                  f"(queued {span(marked.queued, '{:.0f}')}, running {span(marked.running, '{:.0f}')})", checked=True),
+            judge("the metrics account for every stream", "after the load, a first token counted per request, and "
+                  "nothing open, queued or holding KV blocks", "otherwise", settled, f"first tokens "
+                  f"{list(after.first_tokens.astype(int))} for {list(rows.requests)}; open, queued, KV blocks: {left}",
+                  checked=True)]  # fmt: skip
+
+
+def watch_plots(t: Tables, s: Any) -> list:
     from labkit.plots import new_figure
 
-    events = tables["events"]
-    first = events[events.repetition == events.repetition.min()]
-    conditions = list(dict.fromkeys(events.condition))
-    fig, (ax,) = new_figure("production_arrivals", width=8.0)
-    for row, condition in enumerate(conditions):
-        group = first[first.condition == condition]
-        ax.plot(group.written_at, [row + 0.15] * len(group), "|", color="0.6", markersize=7)
-        ax.plot(group.arrived_at, [row - 0.15] * len(group), "|", color="C0", markersize=7)
-    ax.set_yticks(range(len(conditions)), conditions)
-    ax.invert_yaxis()
-    ax.set(
-        xlabel="seconds since the request (grey: written by the server; blue: arrived at the client)",
-        title="When each event arrived, through nginx and without it (first repetition)",
-    )
-
-    keep = tables["keepalive"]
-    fig2, (ax2,) = new_figure("production_keepalive")
-    for i, (_, group) in enumerate(keep.groupby("pings", sort=False)):
-        colors = ["C2" if s else "C3" for s in group.survived]
-        ax2.scatter([i] * len(group), group.ended_s, c=colors, zorder=3)
-    ax2.axhline(keep.read_timeout_s.iloc[0], color="0.5", linestyle="--", label="proxy_read_timeout")
-    ax2.set_xticks(range(keep.pings.nunique()), [f"pings {p}" for p in keep.pings.unique()])
-    ax2.set_xlim(-0.5, keep.pings.nunique() - 0.5)
-    ax2.set_ylim(bottom=0)
-    ax2.set(ylabel="seconds until the stream ended", title="A quiet stream through nginx (green: done; red: cut)")
-    ax2.legend()
-    return [fig, fig2]
+    sc = t["scrapes"][t["scrapes"].repetition == 0]
+    fig, (ax, kv) = new_figure("production_metrics", ncols=2)
+    for name in ("open", "queued", "running"):
+        ax.step(sc.t_s, sc[name], where="post", label=name)
+    marked = sc[sc.mark.str.startswith("wave")]
+    ax.plot(marked.t_s, marked.queued, "ko", fillstyle="none", label="queued as a wave fills the batch")
+    kv.step(sc.t_s, sc.kv_blocks, where="post", color="C4")
+    ax.set(xlabel="seconds", ylabel="requests", title="/metrics during a load in waves")
+    kv.set(xlabel="seconds", ylabel="KV blocks in use", title="KV blocks held")
+    ax.legend(fontsize="small")
+    return [fig]
 
 
-# --------------------------------------------------------------------------- readings
+WATCH = Experiment(
+    name="production.metrics", title="/metrics scraped during a load in waves",
+    sizes={p: {"max_batch": b, "waves": 3, "per_wave": 2 * b, "tokens": n, "mark_tokens": 2, "scrape_every_s": e,
+               "repetitions": 1, "timeout": 120.0} for p, b, n, e in (("full", 8, 24, 0.25), ("ci", 4, 64, 0.1))},
+    server=lambda s, c: {"max_batch": s.max_batch}, measure=measure_watch, verdicts=watch_verdicts, plots=watch_plots,
+    needs=("metrics",),
+)  # fmt: skip
 
-
-def readings(tables: dict[str, pd.DataFrame]) -> list[Any]:
-    """The verdicts of notebook 08's proxy section, computed from the hold-back and keep-alive tables."""
-    from labkit.experiments.readings import Verdict, span
-
-    hold = tables["holdback"].set_index("condition")
-    events = tables["events"]
-
-    def held(c: str) -> bool | None:
-        return bool(hold.loc[c, "holds_back"]) if c in hold.index else None
-
-    def delays(c: str) -> str:
-        per_rep = events[events.condition == c].groupby("repetition").delay.median() * 1000
-        return span(per_rep, "{:.1f}", " ms")
-
-    buffering = held("buffering-on-accel-ignored") is True and all(
-        held(c) is False for c in ("buffering-off", "buffering-off-accel-ignored", "buffering-on") if c in hold.index
-    )
-    gzip = held("gzip-buffering-on-accel-ignored") is True and held("gzip-buffering-off") is False
-    keep = tables["keepalive_summary"].set_index("pings")
-    pings = (
-        bool(keep.loc["on", "survived"] == keep.loc["on", "runs"] and keep.loc["off", "survived"] == 0)
-        if {"on", "off"} <= set(keep.index)
-        else False
-    )
-    return [
-        Verdict(
-            "nginx holds events back when it buffers",
-            "With proxy_buffering on and X-Accel-Buffering ignored, nginx holds events back; with "
-            "buffering off, or the service's X-Accel-Buffering: no honoured, it passes each on at once",
-            "the buffered condition passes events on like the direct baseline, or an unbuffered one holds them",
-            buffering,
-            "median hold-back per repetition: "
-            + "; ".join(
-                f"{c} {delays(c)}"
-                for c in (DIRECT, "buffering-on-accel-ignored", "buffering-off", "buffering-on")
-                if c in hold.index
-            ),
-        ),
-        Verdict(
-            "gzip holds a buffered stream",
-            "gzip on a buffered proxy holds events back; unbuffered, nginx flushes gzip on every read",
-            "the buffered gzip condition is not held, or the unbuffered one is",
-            gzip,
-            "; ".join(
-                f"{c} {delays(c)}" for c in ("gzip-buffering-on-accel-ignored", "gzip-buffering-off") if c in hold.index
-            ),
-        ),
-        Verdict(
-            "pings keep a quiet stream through the proxy",
-            "A stream quieter than proxy_read_timeout survives with the service's pings and is cut without",
-            "a quiet stream with pings is cut, or one without pings survives",
-            pings,
-            "; ".join(f"pings {p}: {int(r.survived)}/{int(r.runs)} survived" for p, r in keep.iterrows()),
-        ),
-    ]
+SPECS = (PROXY, KEEPALIVE, BROWSER, DRAIN, WATCH, GATE, GOODPUT)

@@ -1,329 +1,215 @@
-"""Experiment 1, ``wire``: what goes over the wire, checked event by event.
-
-Each prompt is streamed from ``/v1/stream`` and answered whole by ``/v1/generate`` on the same
-server. For every stream we check what a client relies on: the content type, the request id
-header against the ``start`` event, the order start, token..., done, the same token ids, text,
-usage and finish reason as the JSON answer, a last event id that matches the count of events, and
-nothing left unfinished; and we count the bytes per token and the empty text deltas.
-
-Before that, one short stream is captured byte for byte on a plain socket (``raw``, ``raw_chunks``),
-and the article's awkward inputs are read by our parser and by httpx-sse (``awkward``); both
-come from :mod:`labkit.experiments.wire_cases`. :func:`verdicts` judges the notebook's hypotheses.
+"""Notebook 01, the wire, against any target. :data:`RAW`: streams captured byte for byte by the
+raw reader (``curl --raw``): one short one by line and by chunk, and every capture's chunks counted
+as holding one SSE event, part of one, or several. :data:`CONTRACT`: every prompt streamed and
+answered whole, each stream checked as a client relies on it (two missing values are not equal;
+checks that need labkit's events are "not measurable" against others), with bytes per token.
+:data:`~labkit.experiments.wire_cases.AWKWARD`: the awkward cases, through two parsers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from dataclasses import dataclass
+import re
 from typing import Any
 
 import pandas as pd
 
-from labkit.experiments import wire_cases
-from labkit.experiments.client import StreamResult, async_client, run_sync, timed_stream
-from labkit.experiments.profiles import Profile
-from labkit.experiments.progress import Progress, doing, tick
-from labkit.experiments.readings import Verdict, current_step, fetch_steps, span
-from labkit.experiments.servers import serving
+from labkit.experiments import published
+from labkit.experiments.wire_cases import AWKWARD, escaped
+from labkit.lab import Experiment, NotMeasurable, ReadOptions, Sizes, Stream, Trial, judge, span, spread
+from labkit.lab.client import async_client, run_sync
+from labkit.lab.stream import TimedEvent
+from labkit.lab.target import Caps
 from labkit.prompts import PROMPTS
 
-NAME = "wire"
-
-#: (column, what it checks) in the order the checks table lists them.
-CHECKS = (
-    ("content_type_ok", "media type text/event-stream; charset=utf-8"),
-    ("request_id_matches", "X-Request-ID equals the start event's request_id"),
-    ("order_ok", "events in the order start, token..., done"),
-    ("ids_match", "token ids identical to /v1/generate"),
-    ("text_matches", "text identical to /v1/generate"),
-    ("usage_matches", "usage identical to /v1/generate"),
-    ("finish_matches", "finish reason identical to /v1/generate"),
-    ("last_id_ok", "last event id equals the number of events"),
-    ("nothing_unfinished", "nothing unfinished at the end"),
-)
+# --------------------------------------------------------------------------- raw bytes
 
 
-@dataclass(frozen=True)
-class Config:
-    model: str = "smollm2-135m"
-    prompts: int = 40
-    max_new_tokens: int = 32
-    concurrency: int = 8  # prompts in flight at once, each streamed and generated together
-    raw_tokens: int = 3  # tokens of the one stream whose raw bytes are shown
-
-    @classmethod
-    def for_profile(cls, profile: Profile) -> Config:
-        return cls(model=profile.model, prompts=40 if profile.full else 12, concurrency=8 if profile.full else 4)
-
-    def __post_init__(self) -> None:
-        for name in ("prompts", "max_new_tokens", "concurrency"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"wire.Config.{name} must be >= 1, got {getattr(self, name)!r}")
+def dechunk(body: bytes) -> list[tuple[str, bytes]]:
+    """A chunked body as (size line, payload) pairs, the closing zero-size chunk included."""
+    chunks, pos = [], 0
+    while pos < len(body) and (end := body.find(b"\r\n", pos)) >= 0:
+        line = body[pos:end].decode("latin-1")
+        size = int(line.split(";")[0], 16)
+        chunks.append((line, body[end + 2 : end + 2 + size]))
+        pos = end + 4 + size
+        if size == 0:
+            break
+    return chunks
 
 
-def server_options(config: Config) -> dict[str, Any]:
-    return {"model": config.model, "max_batch": max(2 * config.concurrency, 2)}
+def chunk_kinds(payloads: list[bytes]) -> list[str]:
+    """Each non-empty chunk: ``one`` whole SSE block (ending just past its blank line), ``part`` of one, ``several``."""
+    ends, line_start, sse = set(), 0, b"".join(payloads)
+    for match in re.finditer(rb"\r\n|\r|\n", sse):
+        ends.update([match.end()] if match.start() == line_start else [])
+        line_start = match.end()
+    kinds, at = [], 0
+    for payload in filter(None, payloads):
+        start, at = at, at + len(payload)
+        inside = sum(1 for e in ends if start < e <= at)
+        kinds.append("several" if inside > 1 else "one" if inside and start in ends | {0} and at in ends else "part")
+    return kinds
 
 
-def units(config: Config) -> int:
-    return config.prompts
+def measure_raw(trial: Trial) -> list[dict[str, Any]]:
+    target, s = trial.target, trial.sizes
+    if not target.url.startswith("http://"):
+        raise NotMeasurable("raw bytes", "the raw reader speaks plain http only")
+    options = ReadOptions(keep_wire=True, timeout=120)
+    tokens = [s.short_tokens] + [s.tokens] * s.captures
+    requests = [target.request(PROMPTS[i % len(PROMPTS)], n) for i, n in enumerate(tokens)]
+    rows = []
+    for i, stream in enumerate(target.launch(requests, options).streams):
+        head, _, body = bytes(stream.wire).partition(b"\r\n\r\n")
+        if not re.search(rb"(?im)^transfer-encoding:\s*chunked", head):
+            raise NotMeasurable("chunk framing", "its streams are not sent with chunked transfer encoding")
+        kinds = chunk_kinds([p for _, p in dechunk(body)])
+        rows.append({"stream": i, "tokens": stream.tokens, "events": len(stream.events), "bytes": len(stream.wire),
+                     "chunks": len(kinds), **{k: kinds.count(k) for k in ("one", "part", "several")},
+                     "failure": stream.failure})  # fmt: skip
+        if i == 0:
+            trial.keep("raw", [{"line": escaped(x)} for x in re.findall(rb"[^\n]*\n|[^\n]+$", bytes(stream.wire))])
+            trial.keep("chunks", [{"size line": x, "bytes": len(p), "payload": escaped(p)} for x, p in dechunk(body)])
+    return rows
 
 
-def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
-    doing(progress, f"{config.prompts} prompts, each streamed and answered as JSON")
-    with serving(server, **server_options(config)) as srv:
-        first_step = current_step(srv.url)
-        raw = capture(srv.url, config)
-        rows = run_sync(_measure(srv.url, config, progress))
-        steps = fetch_steps(srv.url, since=first_step)  # the engine's steps of this run
-    events = _event_sizes(rows)  # takes each row's per-event list out before the table is built
-    streams = pd.DataFrame(rows)
-    _, body = wire_cases.split_head(raw)
-    return {
-        "streams": streams,
-        "checks": checks_table(streams),
-        "events": events,
-        "raw": wire_cases.raw_lines(raw),
-        "raw_chunks": wire_cases.chunk_table(body),
-        "awkward": wire_cases.compare(),
-        "steps": steps,
-    }
+def raw_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
+    rows = tables["rows"]
+    chunks, one = int(rows.chunks.sum()), int(rows.one.sum())
+    return [judge("each event travels in an HTTP chunk of its own", "the server writes one event per chunk",
+                  "any chunk of any capture holds part of an event or several", chunks > 0 and one == chunks,
+                  f"{one} of {chunks} chunks hold one whole event ({int(rows.part.sum())} part, "
+                  f"{int(rows.several.sum())} several) in {len(rows)} streams", checked=True)]  # fmt: skip
 
 
-RAW_PROMPT = "The capital of France is"
+RAW = Experiment(
+    name="wire.raw", title="Streams as the bytes on the socket: the head, the chunks, the events",
+    sizes={"full": {"short_tokens": 3, "captures": 16, "tokens": 32},
+           "ci": {"short_tokens": 3, "captures": 8, "tokens": 16}},
+    measure=measure_raw, verdicts=raw_verdicts,
+    chapter={"captures": (0, "the chapter showed one short stream only; counting chunks needs many (issue 21)")},
+)  # fmt: skip
+
+# --------------------------------------------------------------------------- the contract
+
+same = lambda a, b: a is not None and a == b  # noqa: E731 - two missing values are not the same answer
+CHECKS = (  # (column, what it checks); the last three need labkit's native events
+    ("content_type", "media type text/event-stream (charset utf-8 where given)"),
+    ("order", "events in order (labkit: start, token..., done; OpenAI: [role], token..., finish, [usage], [DONE])"),
+    ("text", "text identical to the whole answer's"), ("usage", "usage identical to the whole answer's"),
+    ("finish_reason", "finish reason identical to the whole answer's"),
+    ("nothing_cut", "the stream reached its own end, nothing unfinished"),
+    ("request_id", "X-Request-ID equals the start event's request_id"),
+    ("token_ids", "token ids identical to the whole answer's"), ("last_event_id", "last event id = number of events"),
+)  # fmt: skip
+ORDER = {"labkit": r"st*d", "openai": r"r?t*fu?D?", "openai-chat": r"r?t*fu?D?"}
 
 
-def capture(url: str, config: Config) -> bytes:
-    """One short stream's bytes as they crossed the socket (see :func:`wire_cases.capture_raw`)."""
-    body = json.dumps({"prompt": RAW_PROMPT, "max_new_tokens": config.raw_tokens}).encode()
-    return wire_cases.capture_raw(url, "/v1/stream", body)
+def piece(event: TimedEvent) -> str | None:
+    """The text an event carries: labkit's token text, or an OpenAI chunk's text or delta content."""
+    choice = (event.data.get("choices") or [{}])[0]
+    return event.data.get("text", choice.get("text", (choice.get("delta") or {}).get("content")))
 
 
-async def _measure(url: str, config: Config, progress: Progress | None) -> list[dict[str, Any]]:
-    gate = asyncio.Semaphore(config.concurrency)
-    async with async_client(url, connections=2 * config.concurrency) as client:
+def kind(event: TimedEvent, api: str) -> str:
+    """labkit: the event's name; OpenAI: role, token (as the lab's Stream counts one), finish, usage, [DONE], error."""
+    data, choices = event.data, event.data.get("choices") or []
+    if api == "labkit" or data.get("raw") == "[DONE]" or "error" in data:
+        return event.event if api == "labkit" else "error" if "error" in data else "[DONE]"
+    if any(c.get("finish_reason") is not None for c in choices) or not choices:
+        return "finish" if choices else "usage" if data.get("usage") else "error"
+    return "token" if piece(event) or "role" not in (choices[0].get("delta") or {}) else "role"
+
+
+def contract_row(streamed: Stream, whole: Stream) -> dict[str, Any]:
+    api, events = streamed.api, streamed.events
+    body = whole.body if whole.error is None and isinstance(whole.body, dict) else {}
+    choice = (body.get("choices") or [{}])[0]
+    answer = body if api == "labkit" else {"usage": body.get("usage"), "finish_reason": choice.get("finish_reason"),
+                                            "text": choice.get("text", (choice.get("message") or {}).get("content"))}  # fmt: skip
+    kinds = [kind(e, api) for e in events]
+    media = [p.strip().lower() for p in streamed.content_type.split(";")]
+    letters = "".join({"start": "s", "done": "d", "[DONE]": "D"}.get(k, k[0]) for k in kinds)
+    row: dict[str, Any] = {
+        "content_type": media[0] == "text/event-stream" and all(p == "charset=utf-8" for p in media[1:] if "=" in p),
+        "order": re.fullmatch(ORDER[api], letters) is not None, "text": same(streamed.text, answer.get("text")),
+        "usage": same(streamed.usage, answer.get("usage")),
+        "finish_reason": same(streamed.finish_reason, answer.get("finish_reason")),
+        "nothing_cut": streamed.ok and streamed.unfinished_bytes == 0}  # fmt: skip
+    if api == "labkit":
+        indices = [e.data.get("index") for e, k in zip(events, kinds) if k == "token"]
+        row.update(order=row["order"] and indices == list(range(len(indices))),
+                   request_id=same(streamed.request_id, (events[0].data if events else {}).get("request_id")),
+                   token_ids=same(streamed.token_ids, answer.get("token_ids")),
+                   last_event_id=streamed.last_event_id == str(len(events)))  # fmt: skip
+    tokens = [e for e, k in zip(events, kinds) if k == "token"]
+    row.update(tokens=streamed.tokens, finish=streamed.finish_reason, bytes=streamed.total_bytes,
+               token_event_bytes=sum(e.nbytes for e in tokens), empty_deltas=sum(1 for e in tokens if not piece(e)),
+               failure=streamed.failure or whole.error)  # fmt: skip
+    return row
+
+
+async def _contract(trial: Trial) -> list[dict[str, Any]]:
+    target, s = trial.target, trial.sizes
+    gate = asyncio.Semaphore(s.concurrency)
+    async with async_client(target.url, 2 * s.concurrency, 300.0) as client:
 
         async def one(i: int) -> dict[str, Any]:
-            body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_new_tokens": config.max_new_tokens}
+            requests = [target.request(PROMPTS[i % len(PROMPTS)], s.tokens, stream=how) for how in (True, False)]
             async with gate:
-                stream, answer = await asyncio.gather(
-                    timed_stream(client, body), client.post("/v1/generate", json=body)
-                )
-            tick(progress)
-            return compare(i, stream, answer.json() if answer.status_code == 200 else {})
+                streamed, whole = await asyncio.gather(*(target.stream(r, client=client) for r in requests))
+            return {"prompt": i, **contract_row(streamed, whole)}
 
-        return list(await asyncio.gather(*(one(i) for i in range(config.prompts))))
+        return list(await asyncio.gather(*(one(i) for i in range(s.prompts))))
 
 
-def compare(index: int, stream: StreamResult, answer: dict[str, Any]) -> dict[str, Any]:
-    """One stream against its JSON answer: the checks of :data:`CHECKS`, sizes and times."""
-    events = stream.events
-    start = events[0].data if events and events[0].event == "start" else {}
-    tokens = stream.tokens
-    completion = len(tokens)
-    return {
-        "prompt": index,
-        "status": stream.status,
-        "content_type": stream.content_type,
-        "content_type_ok": _is_event_stream(stream.content_type),
-        "request_id_matches": bool(stream.request_id) and stream.request_id == start.get("request_id"),
-        "order_ok": _in_order(stream),
-        "ids_match": stream.token_ids == answer.get("token_ids"),
-        "text_matches": stream.text == answer.get("text"),
-        "usage_matches": stream.usage == answer.get("usage"),
-        "finish_matches": stream.finish_reason == answer.get("finish_reason"),
-        "last_id_ok": stream.last_event_id == str(len(events)),
-        "nothing_unfinished": stream.unfinished_bytes == 0 and stream.error is None,
-        "events": len(events),
-        "tokens": completion,
-        "finish_reason": stream.finish_reason,
-        "bytes": stream.total_bytes,
-        "bytes_per_token": stream.total_bytes / completion if completion else float("nan"),
-        "empty_deltas": _empty_deltas(tokens, stream.finish_reason),
-        "ttft_s": stream.ttft,
-        "duration_s": stream.duration,
-        "_events": [(e.event, e.nbytes) for e in events],
-    }
+def contract_tables(tables: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
+    rows = tables["rows"].assign(bytes_per_token=lambda t: t.bytes / t.tokens, token_event_mean=lambda t:
+                                 t.token_event_bytes / t.tokens, token_share=lambda t: t.token_event_bytes / t.bytes)  # fmt: skip
+    gone = f"not measurable against this target, because {Caps().why_not('native')}"
+    checks = pd.DataFrame([{"check": what, "passed": rows[c].astype(bool).sum() if c in rows else None,
+                            "streams": len(rows), "note": "" if c in rows else gone} for c, what in CHECKS])  # fmt: skip
+    full = rows[rows.finish == "length"]
+    passing = int(rows[[c for c, _ in CHECKS if c in rows]].astype(bool).all(axis=1).sum())
+    chapter = published("wire")
+    beside = [
+        ("streams passing every check", chapter["streams_passing"], f"{passing} of {len(rows)}", "streams"),
+        ("streams run to their token limit", chapter["streams_to_limit"], f"{len(full)} of {len(rows)}", "streams"),
+        ("bytes per token, whole stream", chapter["bytes_per_token"], span(full.bytes_per_token, "{:.1f}"), "bytes"),
+        (f"one {s.tokens}-token stream", chapter["one_stream_bytes"], span(full.bytes, "{:,.0f}"), "bytes"),
+        ("one token event (a stream's mean)", "—", span(full.token_event_mean, "{:.0f}"), "bytes"),
+        ("token events with an empty delta", chapter["empty_deltas"],
+         f"{int(rows.empty_deltas.sum())} of {int(rows.tokens.sum())}", "events"),
+    ]  # fmt: skip
+    return {"rows": rows, "checks": checks.astype({"passed": "Int64"}),
+            "sizes": spread(full, "tokens", ["bytes", "bytes_per_token", "token_event_mean", "token_share"]),
+            "beside_chapter": pd.DataFrame(beside, columns=["quantity", "chapter (GPU)", "this run", "unit"])}  # fmt: skip
 
 
-def _empty_deltas(tokens: list, finish_reason: str | None) -> int:
-    """Token events with no text, not counting a closing end-of-sequence token (it never has text)."""
-    counted = tokens[:-1] if finish_reason == "eos" else tokens
-    return sum(1 for e in counted if e.data.get("text") == "")
-
-
-def _is_event_stream(content_type: str) -> bool:
-    parts = [p.strip().lower() for p in content_type.split(";")]
-    return parts[0] == "text/event-stream" and "charset=utf-8" in parts[1:]
-
-
-def _in_order(stream: StreamResult) -> bool:
-    kinds = [e.event for e in stream.events]
-    if len(kinds) < 2 or kinds[0] != "start" or kinds[-1] != "done":
-        return False
-    middle = stream.events[1:-1]
-    return all(e.event == "token" and e.data.get("index") == i for i, e in enumerate(middle))
-
-
-def checks_table(streams: pd.DataFrame) -> pd.DataFrame:
-    """How many of the streams passed each check: ``passed`` of ``streams``."""
-    total = len(streams)
-    rows = [{"check": text, "passed": int(streams[col].sum()), "streams": total} for col, text in CHECKS]
-    rows.append(
-        {
-            "check": "token events with an empty text delta (end-of-sequence tokens not counted)",
-            "passed": int(streams.empty_deltas.sum()),
-            "streams": int(streams.tokens.sum()),
-        }
-    )
-    return pd.DataFrame(rows)
-
-
-def _event_sizes(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    """Every event's wire size, by kind: where the bytes of a stream go."""
-    sizes = [{"prompt": r["prompt"], "event": kind, "bytes": n} for r in rows for kind, n in r.pop("_events")]
-    return pd.DataFrame(sizes)
-
-
-def full_length(streams: pd.DataFrame) -> pd.DataFrame:
-    """Streams that ran to their token limit: per-token cost is comparable only between these,
-    since a stream the model ends early spreads its start and done events over fewer tokens."""
-    return streams[streams.finish_reason == "length"]
-
-
-def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
-    streams, checks = tables["streams"], tables["checks"]
-    return {
-        "streams": len(streams),
-        "all_checks_passed": bool((checks.passed[:-1] == checks.streams[:-1]).all()),
-        "full_length_streams": int(full_length(streams).shape[0]),
-        "bytes_per_token_min": float(full_length(streams).bytes_per_token.min()),
-        "bytes_per_token_max": float(full_length(streams).bytes_per_token.max()),
-        "token_event_bytes_median": float(tables["events"].query("event == 'token'").bytes.median()),
-        "stream_bytes_median": float(streams.bytes.median()),
-        "token_events": int(streams.tokens.sum()),
-        "empty_deltas": int(streams.empty_deltas.sum()),
-        "token_share_median": float(token_share(tables).median()),
-        "raw_chunks": int((tables["raw_chunks"].bytes > 0).sum()),
-        "awkward_cases": len(tables["awkward"]),
-        "awkward_ours_follows": int(tables["awkward"]["ours follows the rule"].sum()),
-        "awkward_httpx_sse_follows": int(tables["awkward"]["httpx-sse follows the rule"].sum()),
-        "awkward_differ": int(tables["awkward"].differ.sum()),
-    }
-
-
-def token_share(tables: dict[str, pd.DataFrame]) -> pd.Series:
-    """Per full-length stream, the share of its bytes that are token events (start and done are the rest)."""
-    events = tables["events"]
-    full = set(full_length(tables["streams"]).prompt)
-    mine = events[events.prompt.isin(full)]
-    total = mine.groupby("prompt").bytes.sum()
-    return mine[mine.event == "token"].groupby("prompt").bytes.sum().reindex(total.index, fill_value=0) / total
-
-
-def one_event_per_chunk(tables: dict[str, pd.DataFrame]) -> tuple[int, int]:
-    """(chunks holding exactly one whole SSE event, chunks with a payload) in the raw capture."""
-    chunks = tables["raw_chunks"]
-    payloads = chunks[chunks.bytes > 0].payload
-    whole = sum(1 for p in payloads if p.endswith("\\n\\n") and p.count("\\n\\n") == 1)
-    return whole, len(payloads)
-
-
-def verdicts(tables: dict[str, pd.DataFrame]) -> list[Verdict]:
-    checks, awkward = tables["checks"], tables["awkward"]
-    failed = [row.check for row in checks.iloc[: len(CHECKS)].itertuples() if row.passed != row.streams]
-    wrong = list(awkward.loc[~awkward["ours follows the rule"], "case"])
-    both = awkward["ours follows the rule"] & awkward["httpx-sse follows the rule"]
-    disagree = list(awkward.loc[both & ~awkward["same events"], "case"])
-    differ = awkward[awkward.differ]
-    share = token_share(tables)
-    whole, chunks = one_event_per_chunk(tables)
+def contract_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
+    checks, rows = tables["checks"], tables["rows"]
+    measured = checks[checks.passed.notna()]
+    failed, missing = list(measured.check[measured.passed < measured.streams]), len(checks) - len(measured)
+    share = rows[rows.finish == "length"].token_share
     return [
-        Verdict(
-            "every stream keeps the client's contract",
-            "each stream passes every check of the checks table",
-            "any check fails for any stream",
-            not failed,
-            "failed: " + ", ".join(failed)
-            if failed
-            else f"all {len(CHECKS)} checks passed by all {checks.streams.iloc[0]} streams",
-        ),
-        Verdict(
-            "each event travels in an HTTP chunk of its own",
-            "uvicorn writes each piece the service yields as one chunk, and the service yields one event per piece",
-            "a chunk of the raw capture holds part of an event or more than one",
-            chunks > 0 and whole == chunks,
-            f"{whole} of {chunks} chunks hold exactly one event",
-        ),
-        Verdict(
-            "our parser follows the WHATWG rules on every awkward case",
-            "the events our parser dispatches are those the rules prescribe",
-            "any awkward case gives other events than the rules say",
-            not wrong,
-            "departs on: " + ", ".join(wrong) if wrong else f"all {len(awkward)} cases as the rules say",
-        ),
-        Verdict(
-            "where both follow the rules, the two parsers dispatch the same events",
-            "httpx-sse is an independent implementation of the same rules",
-            "a case both handle by the rules gives different events (not only a different read)",
-            not disagree and bool(both.any()),
-            f"{int(awkward.differ.sum())} of {len(awkward)} cases differ: "
-            + "; ".join(f"{case}: {why}" for case, why in zip(differ["case"], differ["where and why"])),
-        ),
-        Verdict(
-            "token events carry most of a stream's bytes",
-            "the schema's start and done are fixed costs that a full-length stream spreads over its tokens",
-            "the median share of token-event bytes in the streams that ran to their limit is below one half",
-            bool(len(share)) and float(share.median()) >= 0.5,
-            f"token events: {span(share * 100, '{:.0f}', '%')} of a full-length stream's bytes ({len(share)} streams)",
-        ),
-    ]
+        judge("every stream keeps the client's contract", "each stream passes every check of the checks table",
+              "any check fails for any stream", bool(len(rows)) and not failed,
+              ("failed: " + "; ".join(failed) if failed else f"all {len(measured)} checks passed by all {len(rows)} "
+               "streams") + (f"; {missing} not measurable against this target" if missing else ""), checked=True),
+        judge("token events carry most of a stream's bytes", "start and done are fixed costs a stream spreads over "
+              "its tokens", "the median share of token-event bytes in streams that ran to their limit is below one "
+              "half", bool(len(share)) and float(share.median()) >= 0.5,
+              f"token events: {span(share * 100, '{:.0f}', '%')} of the bytes ({len(share)} streams)", checked=True),
+    ]  # fmt: skip
 
 
-def findings(tables: dict[str, pd.DataFrame]) -> str:
-    """What this run found, as Markdown rendered from its tables (no typed numbers)."""
-    full = full_length(tables["streams"])
-    token_bytes = tables["events"].query("event == 'token'").bytes
-    return (
-        f"In this run a stream that ran to its limit of {int(full.tokens.max()) if len(full) else 0} tokens cost "
-        f"**{span(full.bytes_per_token, '{:.1f}')} bytes per token** (median, min–max over {len(full)} streams), "
-        f"and one token event **{span(token_bytes, '{:.0f}')} bytes**; the whole stream "
-        f"{span(full.bytes, '{:.0f}')} bytes. At that rate 300 tokens make a stream of "
-        f"{span(full.bytes_per_token * 300 / 1024, '{:.0f}')} KiB."
-    )
+CONTRACT = Experiment(
+    name="wire.contract", title="Every prompt streamed and answered whole: the client's checks, bytes per token",
+    sizes={"full": {"prompts": 40, "tokens": 32, "concurrency": 8},
+           "ci": {"prompts": 12, "tokens": 16, "concurrency": 4}},
+    measure=lambda trial: run_sync(_contract(trial)), tables=contract_tables, verdicts=contract_verdicts,
+    chapter={"prompts": (40, "a test run: fewer prompts"), "tokens": (32, "a test run: shorter streams")},
+)  # fmt: skip
 
-
-def report(tables: dict[str, pd.DataFrame]) -> str:
-    """The invariant lines a notebook prints: the same text for any profile when every check holds."""
-    rows = list(tables["checks"].itertuples())[: len(CHECKS)]
-    return "\n".join(
-        f"{row.check}: "
-        + (
-            "every stream"
-            if row.passed == row.streams
-            else f"{row.streams - row.passed} of {row.streams} streams FAILED"
-        )
-        for row in rows
-    )
-
-
-def plot(tables: dict[str, pd.DataFrame]) -> list:
-    from labkit.plots import new_figure
-
-    streams, events = tables["streams"], tables["events"]
-    fig, (left, right) = new_figure("wire_bytes", ncols=2)
-    full = streams.finish_reason == "length"
-    left.bar(streams.prompt[full], streams.bytes_per_token[full], color="tab:blue", label="ran to its token limit")
-    left.bar(
-        streams.prompt[~full],
-        streams.bytes_per_token[~full],
-        color="lightgray",
-        label="ended early (start and done over few tokens)",
-    )
-    left.set(xlabel="stream (prompt number)", ylabel="bytes per token", title="Wire cost per token, whole stream")
-    left.legend(loc="upper right")
-    kinds = [k for k in ("start", "token", "done") if k in set(events.event)]
-    right.boxplot([events.loc[events.event == k, "bytes"] for k in kinds], tick_labels=kinds)
-    right.set(ylabel="bytes on the wire", title="Size of one event, by kind")
-    return [fig]
+SPECS = (RAW, CONTRACT, AWKWARD)

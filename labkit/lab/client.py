@@ -9,7 +9,8 @@ linger and closes.
 
 Bounded against a hostile server: every request has an overall deadline (``timeout``; a trickle
 of one byte a second cannot reset it), every body a size cap, and compression is declined
-(``Accept-Encoding: identity``), so a small gzip bomb cannot become gigabytes here. Proxies from
+(``Accept-Encoding: identity``) unless ``ReadOptions.gzip`` asks for it, whose decoded bytes the
+caps then count, so a small gzip bomb cannot become gigabytes here. Proxies from
 the environment are not used: the lab measures a direct route.
 """
 
@@ -31,6 +32,7 @@ import httpx
 import numpy as np
 
 from labkit.lab.stream import API, EventSplitter, LeaveBy, ReadOptions, Stream, json_or_text
+from labkit.machine import linger_zero
 
 __all__ = [
     "Request",
@@ -73,26 +75,30 @@ async def read(
     result: Stream | None = None,
     raw: bool = False,
     leave: asyncio.Event | None = None,
+    hold: asyncio.Event | None = None,
 ) -> Stream:
     """Send ``request`` to ``url`` and read the answer as ``options`` say; never raises for I/O.
 
     ``raw`` (or options only the raw reader honours, or a ``leave`` event to set) reads over a
-    socket of its own. Pass your own ``result`` to watch it fill while the stream runs.
+    socket of its own. Pass your own ``result`` to watch it fill while the stream runs (the raw
+    reader's socket is ``result.socket`` while it is open). With a ``hold`` event the raw reader
+    sends the request and reads nothing until the event is set: a reader that stops, then resumes.
     """
     options = options or ReadOptions()
     result = result if result is not None else Stream(api=request.api)
     result.api, result.sent = request.api, time.perf_counter()
-    raw = raw or leave is not None or not options.read or options.rcvbuf is not None
+    raw = raw or leave is not None or hold is not None or not options.read or options.rcvbuf is not None
+    raw = raw or options.keep_wire  # only the raw reader owns its socket and sees every byte
     try:
         async with contextlib.AsyncExitStack() as stack:
             if raw:
-                work = _raw(url, request, options, result, leave or asyncio.Event())
+                work = _raw(url, request, options, result, leave or asyncio.Event(), hold)
             else:
                 if client is None:
                     client = await stack.enter_async_context(async_client(url, 1, options.timeout))
                 work = _httpx(client, request, options, result)
             await asyncio.wait_for(work, options.bound_s + options.drain_after_fin_s + 0.5)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         if result.left is None:
             result.error = f"no end within the {options.timeout:g} s bound of one request"
     except (httpx.ConnectError, ConnectionRefusedError) as exc:
@@ -119,8 +125,11 @@ def async_client(url: str, connections: int = 64, timeout: float = 300.0) -> htt
 
 
 async def _httpx(client: httpx.AsyncClient, request: Request, options: ReadOptions, result: Stream) -> None:
+    result.sent = time.perf_counter()  # once the client is made: building one is not the server's time
     body = None if request.body is None else json.dumps(request.body).encode()
     headers = {**request.headers, **({"Content-Type": "application/json"} if body is not None else {})}
+    if options.gzip:
+        headers["Accept-Encoding"] = "gzip"
     async with client.stream(request.method, request.path, content=body, headers=headers) as response:
         _note_head(result, response.status_code, dict(response.headers), time.perf_counter())
         sock = _socket(response)
@@ -130,7 +139,7 @@ async def _httpx(client: httpx.AsyncClient, request: Request, options: ReadOptio
             return
         splitter = EventSplitter()
         deadline = None if options.leave_after_s is None else result.sent + options.leave_after_s
-        chunks = response.aiter_raw()
+        chunks = response.aiter_bytes() if options.gzip else response.aiter_raw()
         while not _should_leave(result, options):
             left = None if deadline is None else max(0.0, deadline - time.perf_counter())
             try:
@@ -138,8 +147,9 @@ async def _httpx(client: httpx.AsyncClient, request: Request, options: ReadOptio
             except StopAsyncIteration:
                 result.ended = time.perf_counter()
                 break
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
+            result.reads += 1
             if not _take(result, splitter, chunk, time.perf_counter(), options):
                 return
             if options.pace:
@@ -201,7 +211,7 @@ def _should_leave(result: Stream, options: ReadOptions) -> bool:
 def leave_socket(sock: socket.socket, how: LeaveBy) -> None:
     """FIN by shutting our sending side; RST by arming a zero linger (the close sends it)."""
     if how == "rst":
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger_zero())
     else:
         with contextlib.suppress(OSError):  # already gone: the server closed first
             sock.shutdown(socket.SHUT_WR)
@@ -239,7 +249,9 @@ def _refusal(result: Stream, stream: bool) -> str | None:
 # --------------------------------------------------------------------------- raw socket
 
 
-async def _raw(url: str, request: Request, options: ReadOptions, result: Stream, leave: asyncio.Event) -> None:
+async def _raw(
+    url: str, request: Request, options: ReadOptions, result: Stream, leave: asyncio.Event, hold: asyncio.Event | None
+) -> None:
     parts = urlsplit(url)
     if parts.scheme != "http":
         raise OSError(f"the raw reader speaks plain http only, not {parts.scheme}")
@@ -252,9 +264,11 @@ async def _raw(url: str, request: Request, options: ReadOptions, result: Stream,
         if options.rcvbuf is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, options.rcvbuf)
         await loop.sock_connect(sock, info[0][4])
-        result.sent = time.perf_counter()
+        result.sent, result.socket = time.perf_counter(), sock
         conn = h11.Connection(h11.CLIENT)
         await loop.sock_sendall(sock, _wire(conn, f"{host}:{port}", request))
+        if hold is not None:
+            await asyncio.wait_for(hold.wait(), max(0.0, result.sent + options.bound_s - time.perf_counter()))
         if options.read:
             await _read_raw(sock, conn, result, options, leave)
         else:
@@ -266,6 +280,7 @@ async def _raw(url: str, request: Request, options: ReadOptions, result: Stream,
                 result.error = f"no end within the {options.timeout:g} s bound of one request"
             await _leave(result, options, sock, lambda: loop.sock_recv(sock, 65536))
     finally:
+        result.socket = None
         sock.close()
 
 
@@ -298,6 +313,9 @@ async def _read_raw(
                     await recv
                 return
             data = recv.result()
+            if options.keep_wire:
+                result.wire += data
+            result.reads += bool(data)
             conn.receive_data(data)
             try:
                 complete = _raw_events(conn, result, splitter, kept, options)

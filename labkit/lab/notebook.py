@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from labkit.lab.profiles import Profile, get_profile, repo_root
 from labkit.lab.record import code_dirty, git_commit
 from labkit.lab.runner import use_profile
 from labkit.lab.target import LocalLab, Target
+from labkit.machine import describe, pin_threads
 
 __all__ = ["setup", "target_for", "settings_table", "record_durations", "read_durations"]
 
@@ -33,29 +33,33 @@ def setup(notebook: str, profile_name: str = "", model_name: str = "", *, device
     ``profile_name`` empty means ``LABKIT_PROFILE``, else ``full``: a reader who opens a notebook
     gets the real model unless something outside asks for less.
     """
-    import torch
-
     from labkit.plots import apply_style
 
-    if device == "cpu":
-        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    threads = pin_threads(device)
     apply_style()
     for key, value in (("width", 150), ("max_columns", 30), ("max_colwidth", 100), ("precision", 3)):
         pd.set_option(f"display.{key}", value)
     for name in ("uvicorn", "uvicorn.access", "uvicorn.error"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("asyncio").setLevel(logging.ERROR)  # an in-thread server writing to a client that left
     profile = get_profile(profile_name or None, model_name or None, default="full")
     use_profile(profile)
-    _show(profile_table(profile, notebook, device))
+    _show(profile_table(profile, notebook, device, threads))
     return profile
 
 
-def profile_table(profile: Profile, notebook: str, device: str = "cpu") -> pd.DataFrame:
+def profile_table(profile: Profile, notebook: str, device: str = "cpu", threads: str = "") -> pd.DataFrame:
+    """What this run uses and where it comes from: profile, model, device and threads, the kernels
+    (built, or in one line why not), the machine's readings (or "not available on this platform")."""
+    from labkit.engine.kernels import build_summary
+
     dirty = code_dirty()
     rows = {
         "profile": profile.name,
         "model": profile.model,
-        "device": device,
+        "device": f"{device}; {threads}" if threads else device,
+        "kernels": build_summary() if device == "cpu" else "CPU only: the engine uses torch's ops on " + device,
+        **describe(),
         "scale": SCALE[profile.name],
         "results written to": _shown(profile.data_dir),
         "code now": f"commit {git_commit() or 'unknown'}" + (" with uncommitted changes" if dirty else ""),
@@ -105,7 +109,7 @@ def record_durations(profile: Profile, seconds: dict[str, float], commit: str | 
     """Replace the rows of the notebooks just run; recompute the total over all notebooks."""
     old = read_durations(profile)
     old = old[(old.profile == profile.name) & ~old.notebook.isin([*seconds, "total"])]
-    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    date = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     new = [{"notebook": n, "profile": profile.name, "seconds": round(s, 1), "commit": commit or "", "date": date}
            for n, s in seconds.items()]  # fmt: skip
     rows = pd.concat([old, pd.DataFrame(new)], ignore_index=True).sort_values("notebook")

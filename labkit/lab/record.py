@@ -16,10 +16,10 @@ import subprocess
 import time
 from dataclasses import dataclass
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 from labkit.lab.profiles import repo_root
+from labkit.machine import busy_seconds, cpu_model, loadavg, own_seconds
 
 __all__ = ["MachineState", "environment", "machine_record", "provenance_line", "git_commit", "code_dirty"]
 
@@ -53,7 +53,7 @@ def environment(profile: Any) -> dict[str, Any]:
     return {
         "profile": profile.name,
         "model": profile.model,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
         "code_dirty": code_dirty(),
         "python": platform.python_version(),
@@ -72,16 +72,6 @@ def _version(name: str) -> str | None:
         return None
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 @dataclass(frozen=True)
 class MachineState:
     """The machine at one moment: wall clock, load averages, CPU seconds used by everyone and by
@@ -95,42 +85,6 @@ class MachineState:
     @classmethod
     def now(cls) -> MachineState:
         return cls(time.monotonic(), loadavg(), busy_seconds(), own_seconds())
-
-
-def loadavg() -> tuple[float, float, float] | None:
-    getter = getattr(os, "getloadavg", None)  # absent on Windows
-    try:
-        return tuple(getter()) if getter else None
-    except OSError:
-        return None
-
-
-def busy_seconds() -> float | None:
-    """CPU seconds every process has used since boot (``/proc/stat``, less idle and iowait)."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return (sum(ticks[:8]) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)) / os.sysconf("SC_CLK_TCK")
-
-
-def own_seconds() -> float:
-    """This process's CPU seconds and its children's (live ones through psutil, where installed)."""
-    try:
-        import psutil
-
-        me = psutil.Process()
-        total = sum(me.cpu_times()[:4])
-        for child in me.children(recursive=True):
-            try:
-                total += sum(child.cpu_times()[:2])
-            except psutil.Error:
-                pass
-        return float(total)
-    except Exception:
-        t = os.times()
-        return t.user + t.system + t.children_user + t.children_system
 
 
 def machine_record(before: MachineState, after: MachineState) -> dict[str, Any]:

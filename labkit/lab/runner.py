@@ -62,12 +62,18 @@ class Result:
         trials = len(self.tables.get("rows", ()))
         missing = self.tables.get("not_measurable")
         gaps = "" if missing is None or missing.empty else f"; {len(missing)} not measurable (see not_measurable)"
+        if missing is not None and not missing.empty and not trials:  # nothing measured: the one line that says why
+            gaps = f"; not measurable against this target, because {missing.because.iloc[0]}"
         return (
             f"{self.spec.name} on {self.target}: {trials} rows in {self.elapsed_s:.1f} s{gaps}\n"
             f"{provenance_line(self.env, self.machine)}"
         )
 
     def table(self, name: str = "rows") -> pd.DataFrame:
+        """A table by name; where the target could not witness what it derives from, the
+        "not measurable" rows saying why (so a notebook's table cell runs against any target)."""
+        if name not in self.tables and "not_measurable" in self.tables:
+            return self.tables["not_measurable"]
         return self.tables[name]
 
     def verdict_table(self) -> pd.DataFrame:

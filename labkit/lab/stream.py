@@ -38,7 +38,10 @@ class ReadOptions:
     ``timeout``, ends the read and the client leaves by ``leave_by``. After a FIN it reads on,
     uncounted, for at most ``drain_after_fin_s`` so the close stays a FIN. The raw reader alone
     honours ``read_bytes`` (the most one read takes), ``read=False`` (never read a byte) and
-    ``rcvbuf`` (``SO_RCVBUF`` before connecting, which stops Linux from growing it).
+    ``rcvbuf`` (``SO_RCVBUF`` before connecting, which stops Linux from growing it) and
+    ``keep_wire`` (keep every byte received, head and chunked framing, in ``Stream.wire``: what
+    ``curl --raw`` prints). ``gzip`` accepts a compressed answer, as a browser does, and reads it
+    decoded (a proxy that compresses); the caps then count decoded bytes, so a bomb stays bounded.
     """
 
     pace: float = 0.0
@@ -50,8 +53,10 @@ class ReadOptions:
     read_bytes: int = 64 * 1024
     read: bool = True
     rcvbuf: int | None = None
+    keep_wire: bool = False
     max_bytes: int = 64 * MiB
     max_events: int = 200_000
+    gzip: bool = False
 
     def __post_init__(self) -> None:
         if self.leave_by not in ("fin", "rst"):
@@ -95,6 +100,7 @@ class Stream:
     ended: float | None = None
     events: list[TimedEvent] = field(default_factory=list)
     total_bytes: int = 0
+    reads: int = 0  # socket reads that returned bytes (httpx: chunks): total_bytes / reads per read
     unfinished_bytes: int = 0  # bytes after the last complete event: an event cut off
     last_event_id: str = ""
     left: LeaveBy | None = None
@@ -102,6 +108,8 @@ class Stream:
     drained_bytes: int = 0
     error: str | None = None  # a client-side failure or an HTTP refusal
     body: Any = None  # the body of a response that was not a stream (a refusal)
+    wire: bytearray = field(default_factory=bytearray, repr=False)  # every byte received (keep_wire)
+    socket: Any = field(default=None, repr=False, compare=False)  # the raw reader's socket while it is open
     # interpreted as the events arrive
     token_times: list[float] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)

@@ -176,7 +176,9 @@ def unclear_needs(n: int, estimate: float, low: float, high: float, null: float)
     """Roughly how many repetitions would make an interval this wide exclude ``null`` (widths
     shrink as 1/sqrt(n))."""
     half, distance = max(abs(high - low) / 2, 1e-12), abs(estimate - null)
-    return 2 * n if distance == 0 else int(np.ceil(n * (half / distance) ** 2))
+    if distance == 0 or not np.isfinite(half / distance):  # no effect seen, or an unbounded end: say twice as many
+        return 2 * n
+    return int(np.ceil(n * (half / distance) ** 2))
 
 
 def tell(ci: Interval, null: float, better: Literal["above", "below"]) -> tuple[bool | None, str]:

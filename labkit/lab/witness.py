@@ -11,6 +11,7 @@ process) that is the client's clock too.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
@@ -19,7 +20,7 @@ import pandas as pd
 
 from labkit.lab.client import get_json
 
-__all__ = ["Books", "step_table", "wait_for", "WaitTimeout"]
+__all__ = ["Books", "step_table", "wait_for", "until", "WaitTimeout"]
 
 STEP_COLUMNS = ["step", "started", "seconds", "decoded", "prefilled"]
 IDS_PER_REQUEST = 100
@@ -40,6 +41,17 @@ def wait_for(check: Any, *, timeout: float, what: str, interval: float = 0.02) -
         if time.monotonic() >= deadline:
             raise WaitTimeout(f"gave up after {timeout:g} s waiting for {what} (last answer: {answer!r:.200})")
         time.sleep(interval)
+
+
+async def until(check: Any, *, timeout: float, what: str, interval: float = 0.005) -> Any:
+    """:func:`wait_for` inside a running event loop (``check`` is called on the loop, so it must not
+    block): what ``check`` returned once truthy; :class:`WaitTimeout` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (answer := check()):
+        if time.monotonic() >= deadline:
+            raise WaitTimeout(f"gave up after {timeout:g} s waiting for {what} (last answer: {answer!r:.200})")
+        await asyncio.sleep(interval)
+    return answer
 
 
 def step_table(records: list[dict[str, Any]]) -> pd.DataFrame:
@@ -116,15 +128,7 @@ class Books:
         """Once the server is idle (bounded wait): is the cache whole, is anything still held or
         registered? The cache check runs on the step thread between two steps."""
         self.need("lab", what="the server's cache books")
-
-        def idle() -> bool:
-            s = self.stats()
-            return s["running"] == 0 and s["waiting"] == 0 and s["open_streams"] == 0
-
-        try:
-            wait_for(idle, timeout=timeout, what="an idle server")
-        except WaitTimeout:
-            pass
+        self.wait_idle(timeout)
         answer = self._get("/lab/integrity", timeout=timeout + 30.0)
         s = answer["stats"]
         return {
@@ -135,6 +139,18 @@ class Books:
             "open_streams": s["open_streams"],
             "what": answer["what"],
         }
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Until ``/stats`` shows nothing running, waiting or open (bounded); False at the bound."""
+
+        def idle() -> bool:
+            s = self.stats()
+            return s["running"] == 0 and s["waiting"] == 0 and s["open_streams"] == 0
+
+        try:
+            return bool(wait_for(idle, timeout=timeout, what="an idle server"))
+        except WaitTimeout:
+            return False
 
     def metrics(self) -> dict[str, float]:
         """A Prometheus ``GET /metrics`` as ``{"name{labels}": value}`` (prometheus-client's parser)."""

@@ -4,6 +4,7 @@ Routes live in modules named for what they serve: ``streaming`` (``/v1/stream``,
 ``/v1/generate``), ``openai`` (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``),
 ``resume`` (``/v1/streams/{id}/events``), ``lab`` (``/lab/...``, mounted only when
 ``http.lab_routes`` asks for it); operations (``/stats``, ``/healthz``, ``/metrics``) are here.
+The schema and its pages (``/openapi.json``, ``/docs``, ``/redoc``) only when ``http.docs`` asks.
 Every request first passes the guards (an allowed ``Host``, ``Retry-After`` on every 503), the
 bearer-token check when ``auth_secret`` is set (:mod:`~labkit.service.auth`) and the body limit;
 ``gzip`` puts Starlette's compression innermost (:mod:`~labkit.service.compression`). Every route
@@ -48,7 +49,15 @@ def build_app(engine: Any, hub: Any, config: ServiceConfig) -> FastAPI:
         finally:
             await service.aclose()
 
-    app = FastAPI(title="labkit streamlab", version="0.1.0", lifespan=lifespan)
+    docs = config.http.docs  # off by default: the docs pages load their scripts from a CDN
+    app = FastAPI(
+        title="labkit streamlab",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     add_gzip(app, config.http.gzip)  # first added, so innermost: it sees only what the routes answer
     app.add_middleware(BodyLimit, limit=config.http.max_body_bytes)
     if config.http.auth_secret is not None:  # before the body limit: a request without a token reads nothing

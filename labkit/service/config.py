@@ -45,7 +45,8 @@ class HttpConfig:
     Timeouts protect against clients that hold a connection without finishing anything: an
     idle keep-alive connection, a request head sent a byte at a time (slowloris), a body that
     never completes, a response the client stops reading. The connection cap bounds how many
-    sockets (and coroutines) a crowd of such clients can pin before the timeouts fire.
+    connections are served at once, and a second bound how many may wait for their first request
+    (:mod:`labkit.service.connections` says which is refused or closed, and when).
     """
 
     host: str = setting("127.0.0.1", "address to listen on (loopback by default)")
@@ -54,6 +55,7 @@ class HttpConfig:
         LOOPBACK_HOSTS, "Host header names accepted (any port); '*' accepts any. Others get 400 (DNS rebinding)"
     )
     lab_routes: bool = setting(False, "mount the /lab/... routes (per-stream records, /lab/flood) the experiments use")
+    docs: bool = setting(False, "serve /docs, /redoc and /openapi.json (the docs pages load their scripts from a CDN)")
     sndbuf: int | None = setting(None, "SO_SNDBUF for every connection; none: let the kernel autotune it")
     idle_timeout: float = setting(5.0, "seconds a connection may wait for the first byte of its next request")
     header_timeout: float = setting(
@@ -61,7 +63,12 @@ class HttpConfig:
     )
     body_timeout: float = setting(30.0, "seconds from the end of a request's head until its body is complete")
     send_timeout: float = setting(30.0, "seconds a response write may make no progress before the connection is closed")
-    max_connections: int = setting(256, "open connections served at once; requests on connections beyond it get 503")
+    max_connections: int = setting(
+        256, "connections served at once (each from its first request on); a new one beyond it gets 503"
+    )
+    max_pending_connections: int = setting(
+        256, "connections not yet served (no complete request yet); one more closes the oldest of them"
+    )
     max_body_bytes: int = setting(1 << 20, "larger request bodies get 413 before anything reads or tokenizes them")
     log_level: str = setting("info", "uvicorn's log level", choices=LOG_LEVELS)
     deadline_gate: bool = setting(
@@ -96,11 +103,12 @@ class HttpConfig:
             ),
             "a non-empty tuple of lower-case host names",
         )
-        _check(self, "lab_routes", lambda v: isinstance(v, bool), "a bool")
+        for name in ("lab_routes", "docs"):
+            _check(self, name, lambda v: isinstance(v, bool), "a bool")
         _check(self, "sndbuf", lambda v: v is None or (_is_int(v) and v >= 4096), "None or an int >= 4096")
         for name in ("idle_timeout", "header_timeout", "body_timeout", "send_timeout"):
             _check(self, name, _positive_number, "a number > 0")
-        for name in ("max_connections", "max_body_bytes"):
+        for name in ("max_connections", "max_pending_connections", "max_body_bytes"):
             _check(self, name, lambda v: _is_int(v) and v >= 1, "an int >= 1")
         _check(self, "log_level", lambda v: v in LOG_LEVELS, f"one of {LOG_LEVELS}")
         _check(self, "deadline_gate", lambda v: isinstance(v, bool), "a bool")
@@ -126,7 +134,9 @@ class ServiceConfig:
     keepalive_interval: float = setting(15.0, "seconds without an event before a ': ping' comment")
     pad_bytes: int = setting(0, "pad every token event with an SSE comment of this many bytes (a lab device)")
     drain_grace: float = setting(5.0, "seconds shutdown may take: open streams end, then the process exits")
-    resume_grace: float = setting(10.0, "seconds a resumable run survives without a connected client")
+    resume_grace: float = setting(
+        10.0, "seconds a resumable run survives without a connected client, and its log once it finished"
+    )
     resume_log_events: int = setting(4096, "events kept per resumable stream")
     max_resumable: int = setting(
         64,
@@ -138,6 +148,9 @@ class ServiceConfig:
         "(Redis Streams: a restarted server resumes them)",
     )
     resume_store_ttl: float = setting(60.0, "seconds a log in a redis resume_store outlives its last write")
+    resumable_share: float = setting(
+        0.5, "the share of max_resumable one client (by address) may hold at once; more get 429 (at least 1)"
+    )
     retry_after_s: int = setting(1, "Retry-After on every 429 and 503")
     default_max_tokens: int = setting(256, "chat completions that name no limit")
 
@@ -150,6 +163,7 @@ class ServiceConfig:
             _check(self, name, _positive_number, "a number > 0")
         for name in ("resume_log_events", "max_resumable", "retry_after_s", "default_max_tokens"):
             _check(self, name, lambda v: _is_int(v) and v >= 1, "an int >= 1")
+        _check(self, "resumable_share", lambda v: _positive_number(v) and v <= 1, "a number in (0, 1]")
         _check(self, "pad_bytes", lambda v: _is_int(v) and 0 <= v <= 64 * 2**20, "an int in [0, 64 MiB]")
 
     # -- the flat view ----------------------------------------------------------------------

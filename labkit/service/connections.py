@@ -15,9 +15,34 @@ adds one timer per phase of a request, read from h11's state after every read:
   writer (uvicorn marks the cycle disconnected) and frees the socket at once.
 
 A phase's timer starts when the phase starts and is not restarted by bytes within it, so a
-trickle does not keep a connection alive. The cap is on open connections: a request arriving
-while more than ``max_connections`` are open is answered 503 with ``Retry-After`` and the
-connection is closed after it. Each close is reported through ``on_close(reason)``.
+trickle does not keep a connection alive. Each close is reported through ``on_close(reason)``.
+
+The cap is on connections that are being served, not on sockets (:class:`Slots`):
+
+* a connection takes one of ``max_connections`` slots when its first request head is complete,
+  and keeps it until it closes: a request on a connection that holds a slot (every later request
+  on a keep-alive connection) is never refused for capacity;
+* a first request whose head completes while every slot is taken is answered 503
+  ``over_capacity`` with ``Retry-After`` and the JSON envelope, and its connection is closed:
+  slots go in the order heads arrive, and what is beyond the cap is the newest;
+* a connection with no complete head yet (silent, or part of a head) holds no slot, so sockets
+  that send nothing never cost a client that sends a request. Their number is bounded apart:
+  beyond ``max_pending_connections`` a new connection closes the one that has waited longest
+  (``crowded_out``), since a real client sends its request at once, and the oldest silent
+  socket is the likeliest to be one that never will.
+
+(Counting every open socket at each request, as before, let a crowd of silent sockets refuse
+every request, even one on a connection served a moment earlier.)
+
+Framing, where uvicorn leaves a choice open:
+
+* a request with both ``Content-Length`` and ``Transfer-Encoding`` is read as chunked (h11's
+  reading) and answered with ``Connection: close``, then the connection is closed, as RFC 9112
+  section 6.1 requires: whatever a front end thought the body was, nothing after it is served;
+* a client that half-closes (``shutdown(SHUT_WR)``) has left, even after a whole request: uvicorn
+  closes, and the request is cancelled. That is nginx's default for a proxied request
+  (``proxy_ignore_client_abort off``) and the lab's meaning of leaving "by FIN"; answering it
+  instead would leave a queued or paused request unnoticed until a write to the client failed.
 """
 
 from __future__ import annotations
@@ -36,7 +61,38 @@ from labkit.service.config import HttpConfig
 from labkit.service.errors import envelope
 
 TRANSPORT_KEY = "labkit.transport"  # the scope key naming the connection's transport
-CLOSE_REASONS = ("idle_timeout", "header_timeout", "body_timeout", "send_timeout", "over_capacity")
+CLOSE_REASONS = ("idle_timeout", "header_timeout", "body_timeout", "send_timeout", "over_capacity", "crowded_out")
+
+
+class Slots:
+    """One server's books for the cap: the connections that hold a slot, and those that have not
+    asked for one yet (oldest first)."""
+
+    def __init__(self, slots: int, pending: int) -> None:
+        self.slots, self.most_pending = slots, pending
+        self.held: set[object] = set()
+        self.pending: dict[object, None] = {}  # insertion order: the oldest first
+
+    def arrived(self, connection: object) -> object | None:
+        """A new connection; the oldest pending one, if it must now make room."""
+        self.pending[connection] = None
+        if len(self.pending) > self.most_pending:
+            oldest = next(iter(self.pending))
+            del self.pending[oldest]
+            return oldest
+        return None
+
+    def take(self, connection: object) -> bool:
+        """Its first request head is complete: a slot if one is free (True), else False."""
+        self.pending.pop(connection, None)
+        if len(self.held) >= self.slots:
+            return False
+        self.held.add(connection)
+        return True
+
+    def leave(self, connection: object) -> None:
+        self.held.discard(connection)
+        self.pending.pop(connection, None)
 
 
 @dataclass(frozen=True)
@@ -44,15 +100,17 @@ class Guards:
     http: HttpConfig
     retry_after_s: int
     on_close: Callable[[str], None]  # called with one of CLOSE_REASONS
+    slots: Slots
 
 
 def guarded_protocol(http: HttpConfig, retry_after_s: int, on_close: Callable[[str], None]) -> type[GuardedH11Protocol]:
-    """A protocol class for ``uvicorn.Config(http=...)`` with these settings."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guards": Guards(http, retry_after_s, on_close)})
+    """A protocol class for ``uvicorn.Config(http=...)`` with these settings (and its own slots)."""
+    guards = Guards(http, retry_after_s, on_close, Slots(http.max_connections, http.max_pending_connections))
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guards": guards})
 
 
 class GuardedH11Protocol(H11Protocol):
-    guards: ClassVar[Guards] = Guards(HttpConfig(), 1, lambda reason: None)
+    guards: ClassVar[Guards] = Guards(HttpConfig(), 1, lambda reason: None, Slots(256, 256))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -60,15 +118,22 @@ class GuardedH11Protocol(H11Protocol):
         self._phase_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._send_buffered = 0
+        self.admitted: bool | None = None  # None until the first request head is complete
         self.app = self._capped(self.app)
 
     # -- phases -------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        oldest = self.guards.slots.arrived(self)
+        if isinstance(oldest, GuardedH11Protocol) and not oldest.transport.is_closing():
+            self.guards.on_close("crowded_out")
+            oldest.transport.close()
         self._follow_phase()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        if self.admitted is None and self.cycle is not None:  # the first head is in: in arrival order
+            self.admitted = self.guards.slots.take(self)
         self._follow_phase()
 
     def on_response_complete(self) -> None:
@@ -79,6 +144,7 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_phase()
         self._cancel_send()
+        self.guards.slots.leave(self)
         super().connection_lost(exc)
 
     def _current_phase(self) -> str | None:
@@ -161,9 +227,9 @@ class GuardedH11Protocol(H11Protocol):
     # -- the cap --------------------------------------------------------------------------------
     def _capped(self, app: Any) -> Any:
         async def capped(scope: Any, receive: Any, send: Any) -> None:
-            if scope["type"] == "http" and len(self.connections) > self.guards.http.max_connections:
+            if scope["type"] == "http" and self.admitted is False:
                 self.guards.on_close("over_capacity")
-                message = f"more than {self.guards.http.max_connections} connections are open; retry later"
+                message = f"all {self.guards.http.max_connections} connection slots are taken; retry later"
                 await send(
                     {
                         "type": "http.response.start",
@@ -174,9 +240,27 @@ class GuardedH11Protocol(H11Protocol):
                 await send({"type": "http.response.body", "body": _body("over_capacity", message)})
                 return
             scope[TRANSPORT_KEY] = self.transport  # for a lab route that must cut its connection (lab_demo)
+            if scope["type"] == "http" and _both_lengths(scope["headers"]):
+                send = _closing(send)
             await app(scope, receive, send)
 
         return capped
+
+
+def _both_lengths(headers: list[tuple[bytes, bytes]]) -> bool:
+    names = {name for name, _ in headers}
+    return b"content-length" in names and b"transfer-encoding" in names
+
+
+def _closing(send: Any) -> Any:
+    """``send`` with ``Connection: close`` on the response: h11 then ends the connection after it."""
+
+    async def closing(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+        await send(message)
+
+    return closing
 
 
 def _body(type: str, message: str) -> bytes:

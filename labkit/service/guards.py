@@ -3,7 +3,9 @@
 :class:`HostGuard` answers 400 in the JSON envelope when the ``Host`` header names a host
 outside ``allowed`` (the port is ignored). A page on another origin can make a browser send
 requests to 127.0.0.1 by pointing its own DNS name there (DNS rebinding); the browser still
-sends that name as ``Host``, so accepting only loopback names (by default) refuses it.
+sends that name as ``Host``, so accepting only loopback names (by default) refuses it. An
+HTTP/1.0 request may leave ``Host`` out (it is optional there, and no browser sends HTTP/1.0);
+HTTP/1.1 requires it, and h11 refuses a request without one before any guard sees it.
 
 :class:`RetryAfterOn503` adds ``Retry-After`` to any 503 that lacks one, whichever route or
 handler made it, so a client always learns when to come back.
@@ -38,9 +40,14 @@ class HostGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not self.any:
             hosts = [v.decode("latin-1") for k, v in scope["headers"] if k == b"host"]
-            if len(hosts) != 1 or host_name(hosts[0]) not in self.allowed:
-                shown = repr(hosts[0][:64]) if len(hosts) == 1 else f"{len(hosts)} Host headers"
-                message = f"Host {shown} is not served here (allowed: {', '.join(sorted(self.allowed))})"
+            optional = not hosts and scope["http_version"] == "1.0"
+            if not optional and (len(hosts) != 1 or host_name(hosts[0]) not in self.allowed):
+                allowed = ", ".join(sorted(self.allowed))
+                message = (
+                    f"Host {hosts[0][:64]!r} is not served here (allowed: {allowed})"
+                    if len(hosts) == 1
+                    else f"{len(hosts)} Host headers; one naming a served host is needed (allowed: {allowed})"
+                )
                 return await error_response(400, "invalid_host", message)(scope, receive, send)
         await self.app(scope, receive, send)
 

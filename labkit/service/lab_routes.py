@@ -112,7 +112,7 @@ async def _check_integrity(service: Any) -> tuple[bool, str]:
     try:
         await asyncio.wait_for(asyncio.wrap_future(service.hub.check_integrity()), INTEGRITY_TIMEOUT_S)
         return True, ""
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise ServiceError(
             503, "internal_error", f"the step thread did not run the check within {INTEGRITY_TIMEOUT_S:g} s"
         ) from None

@@ -38,6 +38,8 @@ from labkit.service.intake import (
     MAX_MESSAGES,
     Count,
     Number,
+    OffLoopBody,
+    PartsInAll,
     Prompt,
     Seed,
     Stop,
@@ -53,7 +55,7 @@ from labkit.service.state import Service
 from labkit.service.streaming import collect_whole, service_of
 from labkit.sse import ServerSentEvent
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopBody)
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
@@ -115,7 +117,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES), PartsInAll]
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     logprobs: Annotated[Literal[False] | None, accepting(False)] = False

@@ -16,8 +16,16 @@ does nothing else: it neither attaches nor stops the grace timer.
 The route takes ``Last-Event-ID`` or ``?after=N`` and decides before the response starts:
 404 unknown (or no valid token), 204 finished with nothing after N, 410 when events
 after N were already evicted from the bounded log, 422 for a cursor that is not an event id.
-Otherwise it replays what is after N and follows live. A finished log is kept for the grace
-period too, so a client that lost the last events can still fetch them.
+Otherwise it replays what is after N and follows live. A finished log is kept for
+``resume_grace`` after it finished, so a client that lost the last events can still fetch them,
+and no longer, however often it is replayed: when a replay re-armed the grace, a client that
+replayed its finished one-token streams every few seconds held every resumable slot for ever.
+
+Resumable streams are bounded in number (``max_resumable``: a run outlives its connection by the
+grace, so without a bound clients that open one and hang up would fill the batch and the queue
+at no cost to themselves), and one client, told apart by its address (``request.client``: the
+peer, or ``X-Forwarded-For`` from a proxy uvicorn trusts), may hold only ``resumable_share`` of
+them, so that no single client can take them all.
 
 Because the pump always reads at once, slow-reader policies never see a resumable stream: its
 backlog lives in the log, bounded by the token budget and ``resume_log_events``.
@@ -32,8 +40,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import secrets
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response
@@ -52,8 +61,8 @@ router = APIRouter()
 class EventLog:
     """The frames of one stream, ids 1, 2, 3, ...; at most ``capacity`` of the newest kept."""
 
-    def __init__(self, rid: str, capacity: int) -> None:
-        self.rid = rid
+    def __init__(self, rid: str, capacity: int, client: str) -> None:
+        self.rid, self.client = rid, client
         self.token = secrets.token_urlsafe(24)  # only the creator is told; resuming requires it
         self._frames: deque[Frame] = deque(maxlen=capacity)
         self._changed = asyncio.Event()
@@ -91,6 +100,17 @@ class EventLog:
         self._changed = asyncio.Event()
 
 
+@dataclass(frozen=True)
+class ResumeLimits:
+    most: int  # max_resumable
+    share: float  # resumable_share: of ``most``, what one client may hold
+    retry_after_s: int
+
+    @property
+    def per_client(self) -> int:
+        return max(1, int(self.most * self.share))
+
+
 class ResumeRegistry:
     def __init__(
         self,
@@ -102,12 +122,15 @@ class ResumeRegistry:
         keepalive: float,
         pad_bytes: int,
         store: ResumeStore | None = None,
+        limits: ResumeLimits,
     ) -> None:
         self.hub, self.model_name = hub, model_name
         self.grace, self.capacity = grace, capacity
         self.keepalive, self.pad_bytes = keepalive, pad_bytes
         self.store: ResumeStore = store or MemoryStore()
+        self.limits = limits
         self._logs: dict[str, EventLog] = {}
+        self._held: Counter[str] = Counter()  # logs alive, by client
 
     def __len__(self) -> int:
         return len(self._logs)
@@ -122,11 +145,29 @@ class ResumeRegistry:
             raise ServiceError(404, "not_found", f"no resumable stream {clip(rid)!r} (unknown, or expired)")
         return log
 
-    async def start(self, stream: Stream, prompt_tokens: int) -> EventLog:
-        """Log the start event (in the store first) and begin pumping the hub stream into the log.
+    def admit(self, client: str) -> None:
+        """Refuse (429) a resumable stream beyond ``max_resumable``, or beyond the client's share."""
+        most, retry = self.limits.most, {"Retry-After": str(self.limits.retry_after_s)}
+        if len(self._logs) >= most:
+            raise ServiceError(429, "queue_full", f"{most} resumable streams are open; try again later", retry)
+        if self._held[client] >= self.limits.per_client:
+            message = (
+                f"this client holds {self._held[client]} resumable streams, its share of them "
+                f"(resumable_share {self.limits.share} of max_resumable {most}); try again later"
+            )
+            raise ServiceError(429, "queue_full", message, retry)
+
+    async def start(self, stream: Stream, prompt_tokens: int, client: str) -> EventLog:
+        """Log the start event (in the store first) and begin pumping the hub stream into the log
+        (or, if the bounds were reached while its prompt was tokenized, close the stream and refuse).
 
         The store's copy of ``start`` leaves the resume token out: the store keeps only its hash."""
-        log = EventLog(stream.rid, self.capacity)
+        try:
+            self.admit(client)
+        except ServiceError:
+            self.hub.close(stream)
+            raise
+        log = EventLog(stream.rid, self.capacity, client)
         encoder = StreamEncoder()
         start = encoder.start(stream.rid, self.model_name, prompt_tokens, resume_token=log.token)
         stored = StreamEncoder().start(stream.rid, self.model_name, prompt_tokens)
@@ -139,6 +180,7 @@ class ResumeRegistry:
                 raise ServiceError(503, "store_unavailable", str(exc)) from None
             raise
         log.append(Frame("start", start, encoder.last_id))
+        self._held[client] += 1
         self._logs[stream.rid] = log
         log.pump = asyncio.get_running_loop().create_task(self._pump(stream, encoder, log))
         return log
@@ -156,8 +198,8 @@ class ResumeRegistry:
         finally:
             self.hub.close(stream)
             log.finish()
-            if log.followers == 0:
-                self._arm(log)
+            self._disarm(log)
+            self._arm(log)  # from now on a fixed term: followers no longer stop or restart it
             try:
                 await (self.store.forget(stream.rid) if log.expired else self.store.release(stream.rid))
             except StoreUnavailable:
@@ -205,16 +247,15 @@ class ResumeRegistry:
                         return
                     try:
                         await asyncio.wait_for(waiter.wait(), self.keepalive)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         yield PING.data
         finally:
             self._detach(log)
 
     def _attach(self, log: EventLog) -> None:
         log.followers += 1
-        if log.timer is not None:
-            log.timer.cancel()
-            log.timer = None
+        if not log.finished:
+            self._disarm(log)
 
     def _detach(self, log: EventLog) -> None:
         log.followers -= 1
@@ -225,11 +266,20 @@ class ResumeRegistry:
         if log.timer is None and self._logs.get(log.rid) is log:
             log.timer = asyncio.get_running_loop().call_later(self.grace, self._expire, log)
 
+    def _disarm(self, log: EventLog) -> None:
+        if log.timer is not None:
+            log.timer.cancel()
+            log.timer = None
+
     def _expire(self, log: EventLog) -> None:
         log.timer = None
-        if log.followers:
+        if log.followers and not log.finished:
             return
-        self._logs.pop(log.rid, None)
+        if self._logs.get(log.rid) is log:  # a follower still replaying keeps its own reference
+            del self._logs[log.rid]
+            self._held[log.client] -= 1
+            if not self._held[log.client]:
+                del self._held[log.client]
         if log.pump is not None and not log.pump.done():
             log.expired = True
             log.pump.cancel()  # its finally closes the hub stream, which cancels the request
@@ -237,6 +287,7 @@ class ResumeRegistry:
     async def aclose(self) -> None:
         """Stop every pump and timer (server shutdown, after the hub has drained)."""
         logs, self._logs = list(self._logs.values()), {}
+        self._held.clear()
         for log in logs:
             if log.timer is not None:
                 log.timer.cancel()

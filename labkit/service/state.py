@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from labkit.hub import Hub, Stream
 from labkit.service.deadline import DeadlineGate
 from labkit.service.metrics import Metrics
-from labkit.service.resume import ResumeRegistry
+from labkit.service.resume import ResumeLimits, ResumeRegistry
 from labkit.service.resume_store import open_store
 from labkit.service.stats import ServiceStats, read_stats
 
@@ -42,6 +42,7 @@ class Service:
             keepalive=config.keepalive_interval,
             pad_bytes=config.pad_bytes,
             store=open_store(config.resume_store, capacity=config.resume_log_events, ttl=config.resume_store_ttl),
+            limits=ResumeLimits(config.max_resumable, config.resumable_share, config.retry_after_s),
         )
         self.floods: OrderedDict[str, Any] = OrderedDict()
 

@@ -23,12 +23,12 @@ from labkit.schema import StreamEncoder
 from labkit.service.deadline import DeadlineSeconds
 from labkit.service.errors import ServiceError, public_message
 from labkit.service.frames import frames, start_frame, wire_bytes
-from labkit.service.intake import Count, Number, Prompt, Seed, Stop, prompt_ids
+from labkit.service.intake import Count, Number, OffLoopBody, Prompt, Seed, Stop, prompt_ids
 from labkit.service.openapi import BODY_REFUSALS, LAB_STREAM
 from labkit.service.responses import sse_response
 from labkit.service.state import Service
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopBody)
 T = TypeVar("T")
 _ERROR_STATUS = {"shutdown": 503, "draining": 503, "slow_client": 503, "cancelled": 503, "queue_timeout": 503}
 
@@ -94,19 +94,13 @@ async def post_stream(body: StreamRequest, request: Request) -> Response:
             "invalid_request",
             f"a resumable stream of {body.max_new_tokens} tokens does not fit the {capacity}-event log",
         )
-    if body.resumable and len(service.resume) >= service.config.max_resumable:
-        # A resumable run outlives its connection by resume_grace: without a bound, clients that
-        # open one and hang up at once would fill the batch and the queue at no cost to themselves.
-        raise ServiceError(
-            429,
-            "queue_full",
-            f"{service.config.max_resumable} resumable streams are open; try again later",
-            {"Retry-After": str(service.config.retry_after_s)},
-        )
+    client = request.client.host if request.client else ""
+    if body.resumable:
+        service.resume.admit(client)  # before the prompt is tokenized; start() checks again after
     stream, prompt_tokens = await open_stream(service, body)
     kind = service.config.response_class
     if body.resumable:
-        log = await service.resume.start(stream, prompt_tokens)
+        log = await service.resume.start(stream, prompt_tokens, client)
         return sse_response(
             service.resume.follow(log, 0), kind, request_id=stream.rid, headers={"X-Resume-Token": log.token}
         )

@@ -27,6 +27,8 @@
 #include <cstring>
 #include <vector>
 
+#include "build_features.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif

@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "build_features.h"
 #include "cephes_exp.h"
 
 #if defined(__AVX512F__)

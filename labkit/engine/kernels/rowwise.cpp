@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "build_features.h"
 #include "cephes_exp.h"
 
 #if defined(__AVX512F__)

@@ -1,0 +1,220 @@
+"""Chunked prefill: a prompt may be cut into chunks of any size and run beside any streams, and
+its numbers stay its own, bit for bit; the step budget, decode first, governs who runs.
+
+Every engine here checks its books after every step (``CheckedEngine``).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_helpers import assert_all_released, collect, drain, make_engine
+from labkit.engine.config import DEFAULT_STEP_TOKENS, EngineConfig
+from labkit.engine.events import TokenEvent
+from labkit.engine.runner import Chunk
+from labkit.models import LoadedModel
+from runner_helpers import make_runner, shuffled_tables
+
+CHUNK_SIZES = [1, 7, 64, DEFAULT_STEP_TOKENS]
+BUDGETS = [1, 7, 64, DEFAULT_STEP_TOKENS, None]
+
+
+def _prompt(length: int, seed: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def _prefill_in_chunks(runner, ids: list[int], table: list[int], size: int) -> torch.Tensor:
+    """The prompt fed ``size`` tokens per pass; the logits of its last position."""
+    for start in range(0, len(ids), size):
+        part = ids[start:start + size]
+        logits = runner.forward([Chunk(part, start, table)], [start + size >= len(ids)])
+    return logits[0]
+
+
+def _blocks(runner, table: list[int]) -> torch.Tensor:
+    return runner.pool.kv[:, :, :, table]
+
+
+# -- the runner: one prompt, any chunking ------------------------------------------------------
+@pytest.mark.parametrize("size", CHUNK_SIZES)
+def test_a_prompt_gets_the_same_logits_and_cache_whole_or_in_chunks(tiny_model: LoadedModel, size: int) -> None:
+    ids = _prompt(150, seed=size, vocab=tiny_model.vocab_size)
+    table = shuffled_tables(1, 40, 128, seed=size)[0]
+    whole, chunked = make_runner(tiny_model, num_blocks=128), make_runner(tiny_model, num_blocks=128)
+    expected = whole.prefill(ids, table)
+    assert torch.equal(_prefill_in_chunks(chunked, ids, table, size), expected)
+    assert torch.equal(_blocks(chunked, table), _blocks(whole, table))
+
+
+def test_prefilling_a_prompt_whole_equals_decoding_it_token_by_token(tiny_model: LoadedModel) -> None:
+    ids = _prompt(40, seed=3, vocab=tiny_model.vocab_size)
+    table = shuffled_tables(1, 12, 64, seed=3)[0]
+    whole, stepped = make_runner(tiny_model, num_blocks=64), make_runner(tiny_model, num_blocks=64)
+    expected = whole.prefill(ids, table)
+    for position, token in enumerate(ids):
+        last = stepped.decode([token], [position], [table])[0]
+    assert torch.equal(last, expected)
+
+
+def test_the_plain_mode_prefills_in_chunks_to_the_same_numbers_within_rounding(tiny_model: LoadedModel) -> None:
+    """batch_invariant=False promises no bits, only the same model."""
+    ids = _prompt(90, seed=4, vocab=tiny_model.vocab_size)
+    table = shuffled_tables(1, 30, 64, seed=4)[0]
+    whole = make_runner(tiny_model, num_blocks=64, batch_invariant=False)
+    chunked = make_runner(tiny_model, num_blocks=64, batch_invariant=False)
+    torch.testing.assert_close(_prefill_in_chunks(chunked, ids, table, 7), whole.prefill(ids, table),
+                               atol=1e-4, rtol=0)
+
+
+def test_a_forward_pass_samples_only_the_chunks_it_is_asked_for(tiny_gpt2: LoadedModel) -> None:
+    runner = make_runner(tiny_gpt2, num_blocks=64)
+    tables = shuffled_tables(3, 8, 64, seed=5)
+    chunks = [Chunk([5, 6, 7], 0, tables[0]), Chunk([8, 9], 0, tables[1]), Chunk([10], 0, tables[2])]
+    out = runner.forward(chunks, [False, True, False])
+    assert out.shape == (1, tiny_gpt2.vocab_size)
+    assert torch.equal(out[0], make_runner(tiny_gpt2, num_blocks=64).prefill([8, 9], tables[1]))
+    assert runner.forward(chunks, [False, False, False]).shape == (0, tiny_gpt2.vocab_size)
+    with pytest.raises(ValueError, match="sample flags"):
+        runner.forward(chunks, [True])
+
+
+# -- the engine: the same prompt beside 31 running streams ---------------------------------------
+def _record_logits(engine, rid_of_interest: list[str]) -> list[torch.Tensor]:
+    """Every logits row the engine samples for the request named in ``rid_of_interest``."""
+    seen: list[torch.Tensor] = []
+    original = engine.sampler.sample
+
+    def sample(logits, seqs):
+        seen.extend(logits[row].clone() for row, seq in enumerate(seqs) if seq.rid in rid_of_interest)
+        return original(logits, seqs)
+
+    engine.sampler.sample = sample
+    return seen
+
+
+def _solo(model: LoadedModel, ids: list[int], batch_invariant: bool = True) -> tuple[list[int], list[torch.Tensor]]:
+    engine = make_engine(model, step_tokens=None, batch_invariant=batch_invariant)
+    rid = engine.submit(ids, max_new_tokens=8, ignore_eos=True, request_id="target")
+    seen = _record_logits(engine, ["target"])
+    return drain(engine)[rid].tokens, seen
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_a_prompt_beside_31_running_streams_gets_its_solo_logits_and_tokens(tiny_model: LoadedModel,
+                                                                            budget: int | None) -> None:
+    ids = _prompt(100, seed=6, vocab=tiny_model.vocab_size)
+    solo_tokens, solo_logits = _solo(tiny_model, ids)
+    engine = make_engine(tiny_model, step_tokens=budget)
+    others = [engine.submit(_prompt(2 + i % 3, seed=100 + i, vocab=tiny_model.vocab_size), max_new_tokens=250,
+                            ignore_eos=True) for i in range(31)]
+    outcomes: dict = {}
+    for _ in range(200):  # until all 31 decode (93 steps at a budget of one prompt token a step)
+        if sum(1 for s in engine.scheduler.running if s.decoding) == 31:
+            break
+        collect(engine.step(), outcomes)
+    rid = engine.submit(ids, max_new_tokens=8, ignore_eos=True, request_id="target")
+    seen = _record_logits(engine, ["target"])
+    while outcomes.get(rid) is None or outcomes[rid].reason is None:
+        assert sum(1 for s in engine.scheduler.running if s.decoding) >= 30, "the 31 streams ran beside it"
+        collect(engine.step(), outcomes)
+    for other in others:
+        engine.cancel(other)
+    drain(engine, outcomes)
+    assert outcomes[rid].tokens == solo_tokens
+    assert len(seen) == len(solo_logits) == 8
+    assert all(torch.equal(a, b) for a, b in zip(seen, solo_logits)), "a logits row differs from the solo run's"
+    assert_all_released(engine)
+
+
+# -- the budget: decode first, prompts in arrival order ------------------------------------------
+def test_a_prompt_longer_than_the_budget_is_prefilled_over_several_steps(tiny_gpt2: LoadedModel) -> None:
+    engine = make_engine(tiny_gpt2, step_tokens=8)
+    rid = engine.submit(list(range(10, 60)), max_new_tokens=3, ignore_eos=True)  # 50 tokens: 7 chunks
+    outcomes: dict = {}
+    for _ in range(7):
+        assert rid not in outcomes, "no token before the last chunk"
+        collect(engine.step(), outcomes)
+    assert len(outcomes[rid].tokens) == 1
+    assert [r.prefill_tokens for r in engine.step_log] == [8] * 6 + [2]
+    assert drain(engine, outcomes)[rid].reason == "length"
+
+
+def test_decode_rows_over_the_budget_still_leave_one_prompt_token_a_step(tiny_gpt2: LoadedModel) -> None:
+    engine = make_engine(tiny_gpt2, step_tokens=4)
+    for i in range(8):
+        engine.submit([20 + i], max_new_tokens=40, ignore_eos=True)
+    drain_steps = 0
+    while sum(1 for s in engine.scheduler.running if s.decoding) < 8:
+        engine.step()
+        drain_steps += 1
+    rid = engine.submit(list(range(30, 40)), max_new_tokens=2)
+    steps = [engine.step() for _ in range(10)]
+    assert [(r.decoded, r.prefill_tokens) for r in engine.step_log][-10:] == [(8, 1)] * 10
+    assert [e.rid for e in steps[-1]].count(rid) == 1, "its first token comes with its tenth prompt token"
+    assert not any(e.rid == rid for events in steps[:-1] for e in events)
+
+
+def test_prompts_are_prefilled_in_arrival_order_a_chunk_after_another(tiny_gpt2: LoadedModel) -> None:
+    engine = make_engine(tiny_gpt2, step_tokens=6)
+    older = engine.submit(list(range(10, 20)), max_new_tokens=1)
+    newer = engine.submit(list(range(20, 25)), max_new_tokens=1)
+    assert engine.step() == [] and engine.scheduler.live[newer].status.value == "waiting"
+    firsts = [e.rid for e in engine.step() if isinstance(e, TokenEvent)]
+    assert firsts == [older]  # the rest of the older prompt (4), then 2 tokens of the newer one
+    assert engine.scheduler.live[newer].num_prefilled == 2
+
+
+def test_cancelling_a_prompt_in_mid_prefill_releases_its_blocks_once(tiny_gpt2: LoadedModel) -> None:
+    engine = make_engine(tiny_gpt2, step_tokens=4)
+    rid = engine.submit(list(range(10, 40)), max_new_tokens=5)
+    engine.step()
+    assert engine.scheduler.live[rid].num_prefilled == 4
+    engine.cancel(rid)
+    events = engine.step()
+    assert [(e.rid, getattr(e, "reason", None)) for e in events] == [(rid, "cancelled")]
+    engine.cancel(rid)
+    assert drain(engine) == {}
+    assert engine.stats()["releases"] == 1
+    assert_all_released(engine)
+
+
+def test_a_paused_prompt_keeps_its_slot_and_prefill_and_resumes_to_its_solo_tokens(tiny_llama: LoadedModel) -> None:
+    ids = _prompt(30, seed=8, vocab=tiny_llama.vocab_size)
+    solo_tokens, _ = _solo(tiny_llama, ids)
+    engine = make_engine(tiny_llama, step_tokens=4)
+    other = engine.submit([9, 8, 7], max_new_tokens=12, ignore_eos=True)
+    rid = engine.submit(ids, max_new_tokens=8, ignore_eos=True, request_id="target")
+    outcomes: dict = {}
+    collect(engine.step(), outcomes)  # the 3-token prompt, then one token of the target
+    engine.pause(rid)
+    for _ in range(5):
+        collect(engine.step(), outcomes)
+    seq = engine.scheduler.live[rid]
+    assert seq.num_prefilled == 1 and seq in engine.scheduler.running
+    assert len(outcomes[other].tokens) == 6, "the other stream went on while the prompt was paused"
+    engine.resume(rid)
+    drain(engine, outcomes)
+    assert outcomes[rid].tokens == solo_tokens
+    assert engine.stats()["releases"] == 2
+    assert_all_released(engine)
+
+
+def test_cancelling_a_paused_prompt_in_mid_prefill_releases_it_once(tiny_gpt2: LoadedModel) -> None:
+    engine = make_engine(tiny_gpt2, step_tokens=3)
+    rid = engine.submit(list(range(10, 30)), max_new_tokens=5)
+    engine.step()
+    engine.pause(rid)
+    engine.step()
+    engine.cancel(rid)
+    assert [getattr(e, "reason", None) for e in engine.step()] == ["cancelled"]
+    assert engine.stats()["releases"] == 1
+    assert_all_released(engine)
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.5, True, "64"])
+def test_step_tokens_must_be_a_positive_int_or_none(bad: object) -> None:
+    with pytest.raises(ValueError, match="step_tokens"):
+        EngineConfig(step_tokens=bad)  # type: ignore[arg-type]
