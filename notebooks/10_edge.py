@@ -309,10 +309,10 @@ threads.plot();
 # Starlette's `GZipMiddleware` in front of the app (`gzip`: `off`; `default`, its own list of
 # excluded types, `text/event-stream` among them; `events`, streams compressed too). The client
 # asks for gzip and reads a stream of events written a known interval apart, decompressing as the
-# bytes arrive and noting when each whole event is in; a JSON answer (`/openapi.json`) shows what
+# bytes arrive and noting when each whole event is in; a plain answer (`/metrics`) shows what
 # `default` does compress.
 #
-# * **default leaves streams alone**: a stream goes out uncompressed, a JSON answer compressed.
+# * **default leaves streams alone**: a stream goes out uncompressed, a plain answer compressed.
 #   Falsified by either being otherwise.
 # * **gzip per event holds nothing back**: in every setting every event arrives as it is written,
 #   none within a quarter interval of the one before, and `events` does compress. Falsified by a

@@ -156,9 +156,9 @@ def test_forty_sync_streams_queue_the_sync_route_and_nothing_else_waits():
 
 def gzip_rows(default_stream: str = "identity", bunched: int = 0) -> list[dict[str, Any]]:
     common = {"events": 10, "wire_bytes_per_event": 37.0, "max_gap_ms": 205.0}
-    return (reps(2, gzip="off", stream_coding="identity", json_coding="identity", bunched=0, **common)
-            + reps(2, gzip="default", stream_coding=default_stream, json_coding="gzip", bunched=0, **common)
-            + reps(2, gzip="events", stream_coding="gzip", json_coding="gzip", bunched=bunched, **common))
+    return (reps(2, gzip="off", stream_coding="identity", plain_coding="identity", bunched=0, **common)
+            + reps(2, gzip="default", stream_coding=default_stream, plain_coding="gzip", bunched=0, **common)
+            + reps(2, gzip="events", stream_coding="gzip", plain_coding="gzip", bunched=bunched, **common))
 
 
 def test_gzip_verdicts_see_the_stream_exclusion_and_any_event_held_back():
