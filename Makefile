@@ -84,8 +84,9 @@ test-fast: $(STAMP)
 clean-venv:
 	rm -rf $(VENV)
 
-# System programs some experiments start as child processes: nginx (the production
-# experiment's proxy), redis-server (a resume store that outlives a restarted server). Installed
+# System programs some experiments start as child processes: nginx (the proxy of notebooks 08
+# and 10), redis-server (a resume store that outlives a restarted server), Chromium and its driver
+# (notebook 10's browser; its TLS certificate comes from openssl, in Debian's base). Installed
 # from Debian when missing and we are root (as on CI); otherwise say what is missing: those
 # experiments' tests and cells then skip, saying why. g++ builds the
 # engine's paged-decode kernel on first use; without it the engine falls back to the gather.

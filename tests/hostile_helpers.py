@@ -110,6 +110,14 @@ async def informational_flood(w: Writer, limit: int = 256 << 20) -> None:
         await w.drain()
 
 
+async def cut_after_ids(w: Writer) -> None:
+    """Three labkit events with ids 1-3, then half of a fourth HTTP chunk, then the connection closes."""
+    events = (f'id: {i}\nevent: token\ndata: {{"index": {i - 1}, "id": 7, "text": "x"}}\n\n'.encode() for i in (1, 2, 3))
+    w.write(SSE_HEAD + b"".join(chunk(e) for e in events))
+    w.write(b"40\r\nid: 4\nevent: tok")
+    await w.drain()
+
+
 async def redirect(w: Writer) -> None:
     w.write(b"HTTP/1.1 302 Found\r\nlocation: http://elsewhere.example:8080/v1/completions\r\ncontent-length: 0\r\n\r\n")
     await w.drain()

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from hostile_helpers import (
+    cut_after_ids,
     cut_mid_chunk,
     informational_flood,
     malformed,
@@ -90,6 +91,14 @@ def test_a_stream_cut_mid_chunk_is_a_failure_not_a_success(raw):
         stream = completion(Target(url), ReadOptions(timeout=10), raw=raw)
     assert stream.chunks == 3 and not stream.ok and stream.failure is not None
     assert not stream.completed
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])
+def test_a_cut_stream_keeps_the_last_event_id_it_read_to_resume_from(raw):
+    with hostile(cut_after_ids) as url:
+        stream = Target(url, api="labkit").read(Request("/v1/stream", {"prompt": "hi"}), ReadOptions(timeout=10), raw=raw)
+    assert stream.tokens == 3 and not stream.completed and stream.failure is not None
+    assert stream.last_event_id == "3" and stream.unfinished_bytes > 0
 
 
 def test_a_redirect_names_its_status_and_where_it_points():

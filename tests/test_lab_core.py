@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from labkit.lab import Experiment, NotMeasurable, Sizes, Target, interval, judge, load, run, tell
+from labkit.lab import Experiment, NotMeasurable, Sizes, Target, every, interval, judge, load, run, seen, tell
 from labkit.lab.profiles import Profile
 from labkit.lab.verdict import checked_lines
 
@@ -141,3 +141,9 @@ def test_an_unpaired_ratio_is_a_seeded_bootstrap_that_also_needs_six_each():
     first, second = interval(a, others=b, paired=False), interval(a, others=b, paired=False)
     assert first == second and first.low <= first.estimate <= first.high and first.estimate == pytest.approx(10.5 / 5)
     assert not np.isfinite(interval(a[:5], others=b, paired=False).low)
+
+
+def test_every_holds_only_for_rows_that_exist_and_seen_quotes_distinct_values():
+    assert every(pd.Series([True, True])) and every([1, 1])
+    assert not every(pd.Series([True, False])) and not every(pd.Series([], dtype=bool))  # no rows prove nothing
+    assert seen(pd.Series([3, 1, 3, None])) == [1.0, 3.0] and seen(pd.Series(["b", "a"])) == ["a", "b"]

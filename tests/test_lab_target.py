@@ -56,6 +56,18 @@ def test_requests_are_built_in_the_target_s_dialect():
     assert (native.path, native.body) == ("/v1/stream", {"prompt": "hi", "max_new_tokens": 4, "ignore_eos": False, "seed": 3})
 
 
+def test_a_resume_request_carries_the_stream_s_token_and_its_last_id():
+    from labkit.lab.stream import Stream, TimedEvent
+
+    stream = Stream(request_id="req-1", last_event_id="7")
+    stream.add(TimedEvent(0.0, 10, "start", "1", {"request_id": "req-1", "resume_token": "secret"}))
+    target = Target("http://127.0.0.1:1", api="labkit", api_key="key")
+    request = target.resume_request(stream)
+    assert (request.method, request.path, request.body) == ("GET", "/v1/streams/req-1/events", None)
+    assert request.headers == {"Authorization": "Bearer key", "Last-Event-ID": "7", "X-Resume-Token": "secret"}
+    assert target.resume_request(stream, after="3").headers["Last-Event-ID"] == "3"
+
+
 @pytest.mark.parametrize("url", ["ftp://gpu-node:8000", "gpu-node:8000"])
 def test_a_url_that_is_not_http_is_refused(url):
     with pytest.raises(TargetError, match="not an http"):

@@ -221,6 +221,25 @@ def test_a_server_whose_resume_store_does_not_answer_does_not_start(tiny_gpt2: A
 
 
 @needs_redis
+def test_many_streams_writing_at_once_wait_for_a_connection_instead_of_failing(redis_url: str) -> None:
+    """300 runs appending together (a reconnect storm's worth) share the store's connections: each
+    waits its turn; none fails with the pool's MaxConnectionsError (redis-py's asyncio pool holds
+    100 and raises at the 101st), which the server answered as 503 store_unavailable."""
+    async def body() -> None:
+        store = RedisStore(redis_url, capacity=64, ttl=60.0)
+        frames = token_frames(1)
+        try:
+            await asyncio.gather(*(store.create(f"req-{i}", "t") for i in range(300)))
+            await asyncio.gather(*(store.append(f"req-{i}", frame) for i in range(300) for frame in frames))
+            assert [await store.redis.xlen(PREFIX + f"req-{i}") for i in (0, 299)] == [2, 2]
+        finally:
+            await store.redis.flushdb()
+            await store.aclose()
+
+    asyncio.run(body())
+
+
+@needs_redis
 def test_store_cost_reports_latency_and_bytes_per_event(redis_url: str) -> None:
     cost = asyncio.run(store_cost(redis_url, events=200))
     assert cost["events"] == 200

@@ -161,7 +161,6 @@ async def _httpx(client: httpx.AsyncClient, request: Request, options: ReadOptio
                 return
             if options.pace:
                 await asyncio.sleep(options.pace)
-        result.unfinished_bytes, result.last_event_id = splitter.pending, splitter.parser.last_event_id
         if result.ended is None and sock is not None:
             await _leave(result, options, sock, _drain_stream(response))
 
@@ -206,6 +205,8 @@ def _take(result: Stream, splitter: EventSplitter, chunk: bytes, now: float, opt
             result.error = f"the stream passed the client's cap of {options.max_events:,} events"
             return False
         result.add(event)
+    # after every read, not only at the end: a stream cut mid-way keeps the id to resume from
+    result.unfinished_bytes, result.last_event_id = splitter.pending, splitter.parser.last_event_id
     return True
 
 
@@ -358,7 +359,6 @@ def _raw_events(conn: h11.Connection, result: Stream, splitter: EventSplitter, k
             if result.content_type.startswith("text/event-stream"):
                 if not _take(result, splitter, bytes(event.data), now, o):
                     return True
-                result.unfinished_bytes, result.last_event_id = splitter.pending, splitter.parser.last_event_id
             elif len(kept) + len(event.data) > JSON_CAP:
                 result.error = f"answer larger than the client's cap of {JSON_CAP >> 20} MiB"
                 return True

@@ -161,6 +161,13 @@ class Target(Books):
         path = "/v1/chat/completions" if self.api == "openai-chat" else "/v1/completions"
         return Request(path, body, self.api, headers=self.headers, stream=stream)
 
+    def resume_request(self, stream: Stream, after: str = "") -> Request:
+        """labkit's resume route for a resumable ``stream`` (its start event holds the resume token),
+        after event ``after`` (default: the last the stream read)."""
+        token = str(stream.events[0].data.get("resume_token")) if stream.events else ""
+        headers = {**self.headers, "Last-Event-ID": after or stream.last_event_id or "0", "X-Resume-Token": token}
+        return Request(f"/v1/streams/{stream.request_id}/events", None, "labkit", "GET", headers)
+
     async def stream(self, request: Request, options: ReadOptions | None = None, **how: Any) -> Stream:
         """One request, read as ``options`` say (``how``: ``client``, ``result``, ``raw``,
         ``leave``; see :func:`labkit.lab.client.read`); every stream is tallied, so a run whose
@@ -294,9 +301,10 @@ class Process(Target):
         self.start()
 
     @classmethod
-    def labkit(cls, model: str, *, api: API = "labkit", **settings: Any) -> Process:
-        """``labkit serve`` on a free loopback port with its lab routes, ``settings`` as flags."""
-        port = free_port()
+    def labkit(cls, model: str, *, api: API = "labkit", port: int | None = None, **settings: Any) -> Process:
+        """``labkit serve`` on ``port`` (a free loopback one by default) with its lab routes, ``settings``
+        as flags; a second server on a port the first used comes back where its clients look for it."""
+        port = port or free_port()
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items() if not isinstance(v, bool)]
         flags += [f"--{'' if v else 'no-'}{k.replace('_', '-')}" for k, v in settings.items() if isinstance(v, bool)]
         command = [sys.executable, "-m", "labkit.cli", "serve", "--model", model, "--port", str(port), "--lab-routes"]
@@ -326,16 +334,7 @@ class Process(Target):
     def stop(self, grace: float = 10.0) -> int | None:
         """SIGTERM, then SIGKILL after ``grace`` seconds; the exit status."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5.0)
-        return proc.returncode
+        return None if proc is None else stop_process(proc, grace)
 
     def restart(self) -> None:
         self.stop()
@@ -343,6 +342,18 @@ class Process(Target):
 
     def close(self) -> None:
         self.stop()
+
+
+def stop_process(proc: subprocess.Popen[Any], grace: float = 10.0) -> int:
+    """SIGTERM, then SIGKILL after ``grace`` seconds; always reaped; the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5.0)
+    return proc.returncode
 
 
 def free_port() -> int:

@@ -18,7 +18,9 @@ from typing import Literal
 import numpy as np
 import pandas as pd
 
-__all__ = ["Verdict", "verdict_table", "checked_lines", "spread", "span", "interval", "Interval", "judge", "tell"]
+__all__ = [
+    "Verdict", "verdict_table", "checked_lines", "spread", "span", "interval", "Interval", "judge", "tell", "every", "seen",
+]  # fmt: skip
 
 Outcome = Literal["holds", "falsified", "unclear"]
 
@@ -64,6 +66,17 @@ def judge(
     """A verdict from a decision: True holds, False falsified, None unclear."""
     outcome: Outcome = "unclear" if holds is None else "holds" if holds else "falsified"
     return Verdict(name, claim, criterion, outcome, evidence, checked)
+
+
+def every(values: pd.Series | Sequence[bool]) -> bool:
+    """All true, and at least one: a condition with no rows (skipped, or filtered away) proves nothing."""
+    values = pd.Series(values, dtype=object)
+    return bool(len(values)) and bool(values.astype(bool).all())
+
+
+def seen(values: pd.Series) -> list:
+    """The distinct values, sorted, as an evidence string quotes them (``[6]``, ``[200, 204]``)."""
+    return sorted(set(pd.Series(values).dropna().tolist()))
 
 
 def verdict_table(verdicts: Iterable[Verdict]) -> pd.DataFrame:

@@ -33,6 +33,7 @@ LEASE_S = 3.0  # a run's lease outlives its last refresh by this much
 REFRESH_S = 1.0  # a live run refreshes its lease (and the keys' expiry) this often
 WAIT_S = 1.0  # a reader blocks this long per XREAD, then checks the lease
 OP_TIMEOUT_S = 5.0  # a Redis call that takes longer fails as StoreUnavailable
+POOL = 256  # connections to Redis per server at most (each follower's XREAD BLOCK holds one a while)
 
 
 class RedisStore:
@@ -42,8 +43,13 @@ class RedisStore:
                 import redis.asyncio as aioredis
             except ImportError:  # pragma: no cover - redis is a declared dependency
                 raise StoreUnavailable("resume_store is a redis URL but the redis package is not installed") from None
-            # RESP2 whichever version of redis-py is installed (8.x defaults to RESP3: other reply shapes)
-            client = aioredis.Redis.from_url(url, protocol=2, socket_connect_timeout=OP_TIMEOUT_S)
+            # RESP2 whichever version of redis-py is installed (8.x defaults to RESP3: other reply shapes).
+            # A blocking pool: a call waits (up to OP_TIMEOUT_S) for a free connection, where the
+            # default pool raises at its 101st, so a burst of streams would each be refused with 503.
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, protocol=2, socket_connect_timeout=OP_TIMEOUT_S, max_connections=POOL, timeout=OP_TIMEOUT_S
+            )
+            client = aioredis.Redis.from_pool(pool)  # closed with the client
         self.redis, self.url = client, url
         self.capacity, self.ttl_ms = capacity, int(ttl * 1000)
         self.refresh_s: float | None = REFRESH_S
