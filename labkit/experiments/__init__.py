@@ -11,7 +11,19 @@ from labkit.lab.experiment import Experiment
 __all__ = ["GROUPS", "specs", "names", "published"]
 
 #: the notebook experiments, in the order ``labkit run all`` runs them
-GROUPS = ("wire", "isolation", "overlap", "buffers", "slowclient", "disconnect", "leak", "extensions", "production")
+GROUPS = (
+    "wire",
+    "isolation",
+    "overlap",
+    "buffers",
+    "slowclient",
+    "disconnect",
+    "leak",
+    "extensions",
+    "production",
+    "peers",
+    "burst",
+)
 
 
 def _module_specs(group: str) -> tuple[Experiment, ...]:
