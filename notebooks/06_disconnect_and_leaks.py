@@ -16,188 +16,211 @@
 # %% [markdown]
 # # 6. When the client goes away
 #
-# A streamed request lives on after the handler that began it returns, so something must notice
-# that its client has gone and give back what the request holds. Two experiments.
-#
-# **Disconnect.** A client leaves by FIN (an orderly close) or by RST (an abortive one) at five
-# moments: while its request waits for a slot (the batch limit is 4 and four other streams
-# fill it), right after the response headers, after 2 tokens, half-way and 4 tokens before the
-# end. Two servers differ only in their response class: Starlette's `StreamingResponse`, which
-# listens for the disconnect and cancels the body, and a write-only class that never listens,
-# as Starlette's own behaves on servers speaking ASGI 2.4. We measure the time from the
-# client's close to the engine's release of the stream's blocks, on one clock, and the tokens
-# generated that nobody read. The close → release time has two parts, and both are measured:
-# the time until the server notices (the client's close → the hub's `close()`, on one clock),
-# and the engine steps from that close to the release (a cancel takes effect at the engine's next
-# step boundary). Token budgets and repetitions are in the settings table below; trials run four
-# at a time, two repetitions with FIN and RST interleaved, which is exactly the batch limit.
-#
-# **Leak.** Many streams on a seeded plan; afterwards we inspect the server, not the responses
-# (described where it runs, below).
-#
-# ## Hypotheses, and what would falsify each (stated before measuring)
-#
-# - **listening_releases_within_two_steps**: with Starlette's class the engine lets go of a
-#   departed client's stream within 2 engine steps of the hub's close. Falsified if any trial
-#   takes more.
-# - **waiting_never_admitted**: a request whose client left while it waited for a slot is never
-#   admitted (Starlette's class). Falsified if any such request is prefilled.
-# - **write_only_runs_to_limit**: with the write-only class every abandoned stream is generated to
-#   its token limit. Falsified if any ends earlier.
-# - **fin_rst_alike_before_first**: how a client closes before its first token (FIN or RST) does
-#   not change whether its request is admitted. Falsified if, in the same run, the shares of FIN
-#   and RST clients that were admitted differ. (It depends on timing: data, not a check.)
-# - **nothing_leaks**: after every client of the leak plan has come and gone, either response
-#   class has given back every block, reservation and stream exactly once. Falsified if any check
-#   of the books fails.
-# - **listening_saves_work**: a response that listens generates fewer tokens per token its
-#   leaving clients read than one that only writes. Falsified if Starlette's class generates at
-#   least as many. (On the tiny model generation outruns the reader; data, not a check.)
+# A streamed request outlives the handler that began it, so something must notice that its
+# client has gone and give back what the request holds. The service's stream ends through one
+# idempotent close (the hub's), which asks the engine to cancel; the engine applies a cancel at
+# its next step boundary and releases the blocks in one place. Two response classes differ in
+# whether anything notices: Starlette's `StreamingResponse` listens for the disconnect and
+# cancels the body; the write-only class never listens, as Starlette's own behaves on servers
+# that speak ASGI 2.4. Four measurements: when the server notices at five moments, FIN against
+# RST in many pairs, whether a server stops generating (any target), and the leak test.
 
 # %% tags=["parameters"]
-# Parameters: papermill replaces this cell's values (`papermill -p profile_name ci`).
-# "full": SmolLM2-135M at the chapter's sizes; "ci": the tiny random GPT-2, a test run.
-# LABKIT_PROFILE in the environment that started Jupyter overrides the default.
+# Parameters (papermill replaces these: `papermill -p profile_name ci`). "full": SmolLM2-135M at
+# the chapter's sizes; "ci": the tiny random GPT-2, a test run. LABKIT_PROFILE in the environment
+# that started Jupyter sets the default. target_url "": labkit in a background thread; a URL: any
+# OpenAI-compatible server (the measurements it cannot witness say so).
 import os
 
 profile_name = os.environ.get("LABKIT_PROFILE", "full")
-model_name = ""  # "" runs the profile's model
+model_name = ""
+target_url = ""
+device = "cpu"
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-import labkit
-from labkit.experiments import disconnect
-from labkit.experiments.results import save_run
-from labkit.experiments.notebook import settings_table, setup_notebook
-from labkit.experiments.progress import measuring
-from labkit.experiments.readings import quiet_line, verdict_lines, verdict_table
-from IPython.display import Markdown, display
+from labkit.experiments import disconnect, leak
+from labkit.lab import run, setup, target_for
 
-profile = setup_notebook(profile_name, model_name, notebook="06_disconnect_and_leaks")
-config = disconnect.Config.for_profile(profile)
-settings_table(config)
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-with measuring(disconnect, config, profile) as progress, labkit.serve_in_thread(**disconnect.server_options(config)) as server:
-    print(f"serving {server.engine.model.name} at {server.url}, batch limit {server.config.engine.max_batch}")
-    tables = disconnect.run(config, server=server, progress=progress)
-elapsed = progress.elapsed_s
-print(quiet_line(progress.machine))
+profile = setup("06_disconnect_and_leaks", profile_name, model_name, device=device)
+target = target_for(profile, target_url, device=device)
+target
 
 # %% [markdown]
-# ## The books after each server
-
-# %%
-# NBVAL_CHECK_OUTPUT
-print(disconnect.report(tables))
-
-# %% [markdown]
-# Per moment and way of leaving. `hub_close_ms` runs from the client's close to the hub's
-# `close()` (the server noticed), `release_ms` to the engine's finish event for the stream, and
-# `release_steps` counts engine steps from the hub's close to the release (1: the next step
-# boundary; 0 or less: the stream had already ended by itself, as write-only streams do before
-# their hub closes); `ever_admitted` counts streams that ever got a slot.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-tables['by_moment']
-
-# %% [markdown]
-# Clients that left before their first token, per way of leaving (Starlette's class): how many
-# of their requests were admitted (prefilled) anyway.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-disconnect.fin_rst_admitted(tables["trials"])
-
-# %% [markdown]
-# In the figures, look first at *When the server noticed*: the time from the client's close to
-# the hub's close, for every trial; then at the release in steps beside it.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-figures = disconnect.plot(tables)
-written = save_run(disconnect, config, profile, tables, elapsed, figures, machine=progress.machine)
-print("figures:", ", ".join(p.name for p in written["figures"]), "| results:", written["results"])
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-disconnect_verdicts = disconnect.verdicts(tables)
-display(Markdown(disconnect.findings(tables)))
-verdict_table(disconnect_verdicts)
-
-# %% [markdown]
-# **Leak.** Many streams from many concurrent clients on a seeded plan whose shares are settings,
-# not measurements: 35% read to the end, half leave early by FIN or RST, 15% read slowly and
-# leave after a few tokens. The counts, the batch limit and the token budgets are in the settings printed below.
-# Afterwards we inspect the server, not the responses.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-from labkit.experiments import leak
-
-leak_config = leak.Config.for_profile(profile)
-display(settings_table(leak_config))
-with measuring(leak, leak_config, profile) as progress, labkit.serve_in_thread(**leak.server_options(leak_config)) as server:
-    leak_tables = leak.run(leak_config, server=server, progress=progress)
-leak_elapsed = progress.elapsed_s
-print(quiet_line(progress.machine))
-
-# %%
-# NBVAL_CHECK_OUTPUT
-print(leak.report(leak_tables))
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-leak_tables['outcome']
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-leak_figures = leak.plot(leak_tables)
-written = save_run(leak, leak_config, profile, leak_tables, leak_elapsed, leak_figures, machine=progress.machine)
-print("figures:", ", ".join(p.name for p in written["figures"]), "| results:", written["results"])
-
-# %% [markdown]
-# The `full` profile runs the chapter's number of streams, made short and run many at once so
-# that both response classes fit the notebook's time (the settings table above has the sizes).
-# Each class ran once: compare their times in engine steps as well as seconds.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-leak_verdicts = leak.verdicts(leak_tables)
-verdict_table(leak_verdicts)
-
-# %% [markdown]
-# ## Verdicts
+# ## 1. Leaving at five moments
 #
-# The verdicts that must hold on any machine and model (checked by CI); the others are in the
-# tables above.
+# Clients leave in pairs, one by FIN (an orderly close) and one by RST (an abortive one), side by
+# side with the same prompt, at five moments: while their request waits for a slot (the batch,
+# its limit read from `/stats`, is full of blockers that leave after them), right after the
+# response head, after a couple of tokens, half-way, and just before the end. Each class has its
+# own server. From the server's records, on the client's clock: the client's close, the hub's
+# close (the server noticed) and the release of the blocks, in ms and in engine steps, and the
+# tokens made that nobody read.
+#
+# * **listening releases within two steps**: with a listening response the engine releases a
+#   departed client's stream within two steps of the hub's close. Falsified by any that takes
+#   longer.
+# * **waiting never admitted**: a request whose client left while it waited for a slot is never
+#   admitted. Falsified by any that gets one.
+# * **write-only runs to the limit**: with the write-only class every abandoned stream is
+#   generated to its token limit. Falsified by any that ends sooner.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+moments = run(disconnect.MOMENTS, target)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+moments.scale()
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+moments.table("by_moment")
+
+# %% [markdown]
+# Where the time from a client's close to the release goes, per class, moment and way of leaving
+# (medians): `notice_ms` until the hub's close; `rest_of_step_ms`, what was left of the engine
+# step in progress at that close (the cancel waits for the step boundary); `release_steps`, the
+# steps from the close to the release; `step_ms`, the length of the step in progress. The parts
+# add up to `explained_ms` (notice, the rest of the step, and any whole steps after it), to be
+# read beside the measured `release_ms`. For the write-only class the release comes before the
+# hub's close (negative steps): the stream ran to its end, and only then did the hub close it.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+moments.table("decomposition")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+moments.verdict_table()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(verdict_lines([v for v in disconnect_verdicts if v.name in disconnect.CHECKED]
-                    + [v for v in leak_verdicts if v.name in leak.CHECKED]))
+print(moments.checked())
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+moments.plot();
 
 # %% [markdown]
-# ## Beside the chapter
+# ## 2. FIN against RST
+#
+# Does the way a client closes change how soon the server notices? Many pairs per moment, each a
+# FIN client and an RST client leaving at the same point of a step: right after the head, or
+# right after the same token event (which arrives right after a step ended). The waves run a few
+# pairs at once, up to the batch limit. The effect is the paired difference, FIN minus RST, in
+# the time from the client's close to the hub's close: its median with a 95% interval (order
+# statistics), and Wilcoxon's signed-rank test beside it.
+#
+# * **FIN and RST alike** (per moment): the two ways differ by less than an equivalence margin
+#   fixed here, before measuring: a tenth of the server's median step, because the engine acts on
+#   a close only at a step boundary, so a difference well inside a step changes nothing it does.
+#   Holds when the interval lies inside the margin; falsified when it lies wholly outside;
+#   "unclear" while it crosses an edge. A count of admitted requests is not the criterion: such
+#   counts differ by chance between small groups that behave alike.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-disconnect.beside_chapter(tables)
+fin_rst = run(disconnect.FIN_RST, target)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-leak.beside_chapter(leak_tables)
+fin_rst.scale()
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-display(Markdown(leak.findings(leak_tables)))
+fin_rst.table("fin_rst")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fin_rst.verdict_table()
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fin_rst.plot();
 
 # %% [markdown]
-# What to read in the two experiments together: the verdicts above say whether, with a response
-# that listens, a client's departure reached the engine within two steps and a waiting request
-# was never admitted, and whether either class left anything behind; the findings say what the
-# write-only class cost in work (tokens generated per token read, engine steps, time) for the
-# same plan. The checks are the part worth copying: they look at the cache, the registered
-# streams and the number of releases, not only at whether the server still answers.
+# Read the interval against the margin, not the p-value alone: with many pairs a rank test finds
+# a difference far smaller than anything the engine could act on, and the interval says how big
+# it is. `fin_later` counts the pairs in which the FIN was noticed later.
+
+# %% [markdown]
+# ## 3. Does the server stop generating?
+#
+# The probe that runs against any target: streams read a few tokens, then all leave by FIN or
+# RST. The witness is the best the target offers: its stream records (tokens made after the
+# leave, over the tokens left), `/stats` or `/metrics` (requests running), its CPU time, else a
+# follow-up request's pace; each read idle, while the streams run and after they left, and
+# `kept_on` is the share of the rest the server still did (nothing: it stopped).
+#
+# * **stops** (a listening class): falsified by any usable round in which it kept on with half
+#   the rest or more. **keeps generating** (the write-only class): falsified by any usable round
+#   in which it did less. A round is not usable when the streams did not move the witness, or
+#   would have ended within twice its window anyway.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+stop = run(disconnect.STOP, target)
+stop.table("rounds")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+stop.verdict_table()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(stop.checked())
+
+# %% [markdown]
+# ## 4. The leak test
+#
+# Many clients on a seeded plan whose shares are the chapter's: about a third read to the end,
+# half leave early by FIN or RST after a drawn number of tokens, the rest read slowly and leave
+# after a few. At most a fixed number are connected at once, on a batch limit smaller than that,
+# so requests wait. Then the server's books, not the responses: with lab routes the cache check
+# on the step thread, nothing held, running, waiting or registered, every stream finished once
+# and every admitted one released once, no hub error; against a target without them `/stats` or
+# `/metrics`, else the CPU or a follow-up's pace back to idle, the witness named in each row. The
+# classes take turns, run after run.
+#
+# * **nothing leaks**: every check passes after every run of either class, and no client saw an
+#   error. Falsified by any failure.
+# * **listening saves work**: the listening class makes fewer tokens per token its leaving clients
+#   read than the write-only one, in every run. Falsified by any run where it does not.
+# * **not listening costs time**: the write-only class takes longer for the same plan (until the
+#   engine let go of the last stream). Falsified if the 95% interval of the ratio of the classes'
+#   times lies below one; "unclear" while it straddles it.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+plan = run(leak.PLAN, target)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+plan.scale()
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+plan.table("outcome")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+plan.table("rows")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+plan.verdict_table()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(plan.checked())
+
+# %% [markdown]
+# The checks are the part worth copying: they look at the cache, the registered streams and the
+# number of releases, not only at whether the server still answers. Neither class can leak by
+# design (both end every stream through the one close); what the write-only class costs is the
+# work, tokens made for clients that had gone, and the time that work takes from everyone else.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+target.close()

@@ -16,250 +16,217 @@
 # %% [markdown]
 # # 7. Extensions: the chapter's exercises, measured
 #
-# Six things the chapter argued or left as exercises, the first five run on the lab's service
-# (every size is a setting, in the settings tables below):
+# The chapter ends with exercises; the lab built what they ask for, and this notebook measures
+# them:
 #
-# 1. first-token delivery when each prefill ends, against at the end of the step, the two
-#    servers taking turns, repetition after repetition;
-# 2. `pause_then_drop` under a full batch, at several stall timeouts, against `pause`, with
-#    interleaved repetitions;
-# 3. resuming a stream with `Last-Event-ID` after its client dropped the connection;
-# 4. the memory an eagerly formatting server would hold for slow readers: the peak queue of a
-#    real run, formatted eagerly for real and measured with `tracemalloc`, beside the same
-#    events held as the lab's hub holds them (unformatted);
-# 5. identity under sampling with per-request seeds (against a repeat, against the solo runs, and
-#    against the greedy streams, which they must differ from) and under bfloat16.
-# 6. exercise 8: decode attention reading K and V through the block tables (a kernel) instead of
-#    gathering each row's blocks into one copy per layer and step, timed against the gather on
-#    one runner, at several contexts and batch sizes.
+# * exercise 2: `pause_then_drop` (pause a slow stream, cancel it after a stall timeout) with the
+#   batch full, against `pause`;
+# * exercise 4: resuming a stream with `Last-Event-ID` after its connection dropped;
+# * exercise 6: the memory an eagerly formatting server would hold for four slow readers;
+# * exercise 7: identity under sampling with per-request seeds;
+# * exercise 8: decode attention that reads the blocks through the block table, against the
+#   gather it replaced.
 #
-# ## Hypotheses, and what would falsify them (stated before measuring)
+# Exercise 1 (each first token delivered as its own prefill ends) is measured in notebook 03
+# (its first-token delivery section), and exercise 7's half-precision part in notebook 02, whose
+# logits measurement compares bfloat16 bit for bit. Exercises 3 and 5 (a proxy in front; the
+# deadline gate) are notebook 08's.
 #
-# 1. `sampling_takes_effect`: the sampled streams are not the greedy ones. *Falsified if* fewer
-#    than half of them differ from the greedy streams (sampling silently ignored would make all
-#    of them equal).
-# 2. `seeded_sampling_repeats`: a seeded sampled stream repeats exactly, run again or run alone.
-#    *Falsified by* any stream that differs between two runs with the same seed.
-# 3. `eager_costs_memory`: formatting eagerly holds far more for slow readers than the lazy hub.
-#    *Falsified if* the measured eager peak is under ten times the measured lazy one for the
-#    same queued events.
-# 4. `drop_frees_slots`: with the batch full, `pause_then_drop` at its shortest stall timeout holds
-#    fewer slot-seconds for paused streams while requests wait than `pause`. *Falsified if* its
-#    median is not below `pause`'s.
-# 5. `prefill_delivery_is_earlier`: a first token delivered when its own prefill ends reaches the
-#    client sooner than one delivered at the step's end. *Falsified if* the median over the
-#    repetitions of the median first-token time is not lower at prefill.
-# 6. `kernel_step_is_cheaper`: at 32 sequences the whole decode step costs less when attention
-#    reads the blocks through the table than when it gathers them. *Falsified if*, at any context
-#    measured, the kernel's median step time over the repetitions is not lower than the gather's.
-# 7. `kernel_attention_is_cheaper`: the same for decode attention alone (every layer's, one step).
-#    *Falsified if*, at any context measured, the kernel's median is not lower than the gather's.
+# Where the engine is what is timed, every setting counts tokens and steps: the clients that
+# stall stop reading from their first byte and leave only when the other requests are done,
+# never after a time in seconds. The stall timeouts and the grace period are the server's own
+# timers, in seconds by definition.
 
 # %% tags=["parameters"]
-# Parameters: papermill replaces this cell's values (`papermill -p profile_name ci`).
-# "full": SmolLM2-135M at the chapter's sizes; "ci": the tiny random GPT-2, a test run.
-# LABKIT_PROFILE in the environment that started Jupyter overrides the default.
+# Parameters (papermill replaces these: `papermill -p profile_name ci`). "full": SmolLM2-135M at
+# the chapter's sizes; "ci": the tiny random GPT-2, a test run. LABKIT_PROFILE in the environment
+# that started Jupyter sets the default. target_url "": labkit in a background thread; a URL:
+# another server (what it cannot witness is reported as not measurable).
 import os
 
 profile_name = os.environ.get("LABKIT_PROFILE", "full")
-model_name = ""  # "" runs the profile's model
+model_name = ""
+target_url = ""
+device = "cpu"
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-import labkit
-from IPython.display import Markdown, display
 from labkit.experiments import extensions
-from labkit.experiments.readings import quiet_line, verdict_lines, verdict_table
-from labkit.experiments.results import save_run
-from labkit.experiments.notebook import settings_table, setup_notebook
-from labkit.experiments.progress import measuring
+from labkit.lab import run, setup, target_for
 
-profile = setup_notebook(profile_name, model_name, notebook="07_extensions")
-config = extensions.Config.for_profile(profile)
-settings_table(config)
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-with measuring(extensions, config, profile) as progress, labkit.serve_in_thread(**extensions.server_options(config)) as server:
-    print(f"serving {server.engine.model.name} at {server.url}, batch limit {server.config.engine.max_batch}")
-    tables = extensions.run(config, server=server, progress=progress)
-elapsed = progress.elapsed_s
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-print(quiet_line(progress.machine))
+profile = setup("07_extensions", profile_name, model_name, device=device)
+target = target_for(profile, target_url, device=device)
+target
 
 # %% [markdown]
-# ## What must hold exactly
+# ## 1. A full batch: pause, and pause then drop (exercise 2)
+#
+# The chapter argued that `pause` lets slow clients hold batch slots that waiting requests cannot
+# use, and left the batch unfilled. Here a small batch is filled: the requests of clients that
+# stopped reading come first, the others as soon as the engine has taken them, so some of the
+# others wait for a slot while the stalled streams fill their queues and pause. The stalled
+# clients leave (RST) once every other request is done. From the server's records and step log:
+# the slots the stalled streams held while any request waited for one, summed over the run's
+# milliseconds (slot-seconds) and over its steps (slot-steps), and when each stalled stream was
+# released. `pause` and `pause_then_drop` at each stall timeout run on servers of their own,
+# taking turns, repetition after repetition.
+#
+# * **pause keeps the slots**: under `pause` every stalled stream is paused and keeps its slot
+#   until its client leaves. Falsified by one released while the others still ran.
+# * **pause_then_drop gives them back**: at every stall timeout, every stalled stream is paused,
+#   then dropped while the others still run. Falsified by one held until its client left.
+# * **dropping frees slot-seconds** (one per stall timeout): fewer slot-seconds held by stalled
+#   streams while requests wait than under `pause`. Falsified if the 95% interval of the ratio
+#   lies above one; unclear if it straddles one.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+full_batch = run(extensions.FULL_BATCH, target)
+full_batch.scale()
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+full_batch.table("policies")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+full_batch.verdict_table()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(extensions.report(tables))
+print(full_batch.checked())
 
 # %% [markdown]
-# ## First-token delivery
+# Under `pause` the stalled streams hold their slots for as long as the others take, which is
+# counted in steps and grows with the others' length; under `pause_then_drop` the hold ends a
+# stall timeout after the pause, a time in seconds, so how many steps it lasts depends on the
+# engine's speed. The others' steps show what they paid: with the slots back, they finish in
+# fewer rounds.
+
+# %% [markdown]
+# ## 2. Resuming with Last-Event-ID (exercise 4)
 #
-# N requests arrive together; they are admitted in one step and prefilled one after another.
-# Per mode: the median and the slowest first token of each repetition, over the repetitions.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-tables['delivery']
-
-# %% [markdown]
-# ## Pause, then drop, with the batch full
+# With `resumable: true` the server writes every event of a stream to a bounded log and keeps
+# the run going when its connection drops, for a grace period. The client reads N tokens, leaves
+# by RST, and comes back at once with the last id it saw and the stream's resume token; another
+# comes back after the grace period.
 #
-# The batch limit is `slow.saturation_batch`; the slow readers take slots first, and once the
-# server holds them paused the fast requests arrive. `pause` lets go only when a reader catches
-# up; each stall timeout of `pause_then_drop` trades slots held for slow clients cancelled. Over
-# the repetitions, then every run:
+# * **resumed exactly**: the events after the last id come back in order with no gap, and the
+#   tokens before and after together are an uninterrupted stream's. Falsified by one that is not.
+# * **forgotten after the grace**: a client that comes back after the grace period gets 404.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-tables['saturation_summary']
+resume = run(extensions.RESUME, target)
+resume.table("rows")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-tables['saturation']
-
-# %% [markdown]
-# ## Resuming after a dropped connection
-#
-# With `resumable: true` a stream's events go to a bounded log and the run survives its
-# connection for a grace period. The client leaves by RST after N tokens, waits, and asks for
-# the events after the last id it saw. The last row comes back after the grace period.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-tables['resume']
-
-# %% [markdown]
-# ## Eager formatting: memory held for the slow readers
-#
-# `peak_queued_events` is the most events the hub held for the slow readers at once (sampled
-# over `GET /stats`). Those events were then formatted as an eager server would format them
-# (the service's own encoder, padding included) and held, and `tracemalloc` measured the peak:
-# `eager_measured_mib`. `lazy_measured_mib` is the same measurement for the same events held as
-# the hub holds them. `bound_mib` is arithmetic (every token of every slow stream), not measured.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-tables['eager']
-
-# %% [markdown]
-# ## Identity under sampling and in bfloat16
-#
-# `differ` counts the streams that are not identical token for token. Where two runs split,
-# `margin` is the float32 model's logit for the reference run's token minus the other's, after
-# the tokens both share; `top2_margin` the gap between its best two.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-tables['identity_summary']
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-tables['identity'].loc[~tables['identity'].identical]
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-figures = extensions.plot(tables)
-written = save_run(extensions, config, profile, tables, elapsed, figures, machine=progress.machine)
-print("figures:", ", ".join(p.name for p in written["figures"]), "| results:", written["results"])
-
-# %% [markdown]
-# ## Verdicts
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-verdict_table(extensions.verdicts(tables))
-
-# %% [markdown]
-# The verdicts that hold under both profiles (the tiny test model and SmolLM2), checked on
-# every test run:
+resume.verdict_table()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(verdict_lines(extensions.checked(tables)))
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-display(Markdown(extensions.findings(tables)))
+print(resume.checked())
 
 # %% [markdown]
-# ## Beside the chapter
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-extensions.beside_chapter(tables)
+# What the server must keep is every event of the stream, for the grace period after the last
+# client left: the log is bounded by the token budget and by the setting for events per stream,
+# and the run goes on generating for a client that may never return.
 
 # %% [markdown]
-# Resumption costs the server a log of every event for as long as the grace period lasts, and
-# it keeps the run going for a client that may never come back; the checked cell shows that
-# what it replays is exact. Seeded sampling is reproducible because each request owns its
-# generator and the engine's batched float32 arithmetic does not depend on the neighbours; the
-# comparison with the greedy streams is what shows that the sampling was done at all. bfloat16
-# is compared the same way; where it departs from float32, the margin says whether a near tie
-# was broken differently.
-
-# %% [markdown]
-# ## Exercise 8: reading the blocks through the table
+# ## 3. Eager formatting: what it would hold for clients that stopped reading (exercise 6)
 #
-# The paged decode's gather path copies every row's K and V blocks into one contiguous tensor,
-# per layer and per step, and multiplies over the copy; the copy grows with context × batch.
-# The paged kernel (`labkit/engine/kernels/paged_decode.cpp`) reads the blocks where they lie,
-# through each row's block table, one (row, KV head) per task in an order set by that row's own
-# length, so a row's numbers never depend on its neighbours. Both run on one runner (same
-# weights, same pool, same scattered tables), the two modes and every cell interleaved over the
-# repetitions, the pool filled with random keys and values so that no prompt needs prefilling.
-# Hypotheses 6 and 7 above are judged here. Look for how far apart the two lines climb with
-# context at 32 sequences, and whether the gap survives in the whole step.
+# Four clients stop reading under `unbounded`; each stream pads its token events with an SSE
+# comment (the lab's device for making events large, in the sizes table) and leaves once the
+# engine has released every stream. The hub holds engine events and formats (and pads) each as it
+# is written; the server's records give the most events it held for each reader. Those events,
+# formatted eagerly with the service's own encoder, with and without the padding, and held as the
+# hub holds them, are measured with `tracemalloc`. Per reader and per event, like with like:
+#
+# * **the padding is what eager holds**: formatted eagerly, nearly all of a held event's bytes are
+#   the padding. Falsified if more than a hundredth of them is not padding for any reader.
+# * **unpadded, eager is no heavier**: without the padding, an eagerly formatted event holds no
+#   more than the hub's unformatted one. Falsified by any reader whose eager bytes per event
+#   exceed its lazy ones.
+#
+# So the ratio of eager to lazy is the padding's size over an event's, set by the lab, not a
+# property of eager formatting. The chapter's figure for an eager server (in the table as
+# `chapter_arithmetic_MiB`, every token of a reader times the padding) is arithmetic for one
+# reader; `eager_MiB` is the same quantity measured, for the events the hub actually held.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from labkit.bench_attention import printable
-from labkit.experiments import paged
-
-paged_config = paged.Config.for_profile(profile)
-settings_table(paged_config)
+eager = run(extensions.EAGER, target)
+eager.table("per_reader")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-with measuring(paged, paged_config, profile) as paged_progress:
-    paged_tables = paged.run(paged_config, progress=paged_progress)
-print(quiet_line(paged_progress.machine))
-
-# %% [markdown]
-# What must hold exactly: the kernel changes no greedy token, and a row's logits decoded alone
-# are bitwise those of the same row among neighbours.
+eager.verdict_table()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(paged.report(paged_tables))
+print(eager.checked())
 
 # %% [markdown]
-# Per context and batch: each mode's median (min–max) over the repetitions, in ms per step, and
-# the megabytes the gather copies per step (the kernel copies none).
+# ## 4. Identity under seeded sampling (exercise 7)
+#
+# Each sampled request carries its own seed, so it owns its random generator. The first prompts
+# are sampled all at once, all at once again, and one at a time, and sampled against greedy:
+#
+# * **seeded sampling repeats**: a seeded stream is the same run again and run alone. Falsified
+#   by one pair that differs.
+# * **sampling takes effect**: most sampled streams differ from the greedy ones; sampling that
+#   was silently ignored would pass the check above. Falsified if fewer than half differ.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-printable(paged_tables['summary'])
+sampling = run(extensions.SAMPLING, target)
+sampling.table("comparisons")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-paged_figures = paged.plot(paged_tables)
-paged_written = save_run(paged, paged_config, profile, paged_tables, paged_progress.elapsed_s, paged_figures,
-                         machine=paged_progress.machine)
-print("figures:", ", ".join(p.name for p in paged_written["figures"]), "| results:", paged_written["results"])
+sampling.verdict_table()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(sampling.checked())
 
 # %% [markdown]
-# The timing verdicts are not checked on every test run: under the tiny test model a step is
-# mostly per-call overhead, and the comparison is a reading of this machine, not an invariant.
+# ## 5. Reading the blocks through the table (exercise 8)
+#
+# The paged decode used to gather every row's keys and values into one contiguous copy per layer
+# and step; the paged kernel (`labkit/engine/kernels/paged_decode.cpp`) reads them where they lie,
+# through each row's block table. `labkit.bench_attention` times both on one runner (same
+# weights, pool and scattered tables, random keys and values): decode attention alone and the
+# whole decode step, for each context and batch, the two modes taking turns in every repetition.
+# That the kernel changes no bit of a row's logits is tested (`tests/test_paged_kernel.py`), and
+# notebook 02's logits measurement runs with it.
+#
+# * **kernel step cheaper at context C** (one per context, at the largest batch): the step costs
+#   less with the kernel. Falsified if the 95% interval of kernel over gather, paired by
+#   repetition, lies above one; unclear if it straddles one (the evidence says how many
+#   repetitions might decide it).
+# * **kernel attention cheaper at context C**: the same for attention alone.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-verdict_table(paged.verdicts(paged_tables))
+paged = run(extensions.PAGED, target)
+paged.table("summary")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-display(Markdown(paged.findings(paged_tables)))
+paged.verdict_table()
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+paged.plot();
+
+# %% [markdown]
+# The gather's copy grows with context times batch, so the kernel's advantage in attention
+# grows with both; in the whole step it is diluted by the matrix products, which do not change,
+# and at a short context it can be smaller than the step's own spread from one repetition to the
+# next: there the verdict stays unclear rather than claiming a direction.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+target.close()

@@ -192,15 +192,17 @@ def test_describe_on_this_linux_machine_reads_everything() -> None:
     assert not any(machine.NOT_AVAILABLE in value for value in said.values()), said
 
 
-# -- the old experiments read through it ---------------------------------------------------------
-def test_the_experiments_machine_state_is_read_on_a_bare_platform(
-    no_proc: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from labkit.experiments.readings import MachineState
+# -- the lab reads through it ------------------------------------------------------------------
+def test_the_lab_s_machine_record_is_made_on_a_bare_platform(no_proc: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from labkit.lab.record import MachineState, machine_record, provenance_line
 
     monkeypatch.delattr(os, "getloadavg", raising=False)
-    state = MachineState.now()
-    assert state.busy_s is None and all(x != x for x in state.loadavg)  # NaN: no load average here
+    before = MachineState.now()
+    record = machine_record(before, MachineState.now())
+    assert before.busy_s is None and before.loadavg is None
+    assert record["others_cpu_share"] is None and record["quiet"] is None and record["loadavg_before"] is None
+    line = provenance_line({"git_commit": "abc1234", "code_dirty": False}, record)
+    assert "not available on this platform" in line and "commit abc1234 (clean tree)" in line
 
 
 def test_the_buffers_experiment_imports_without_fcntl_and_termios(
@@ -208,8 +210,10 @@ def test_the_buffers_experiment_imports_without_fcntl_and_termios(
 ) -> None:
     import importlib
 
+    from labkit.lab import NotMeasurable
+
     monkeypatch.delitem(sys.modules, "labkit.experiments.buffers", raising=False)
     buffers = importlib.import_module("labkit.experiments.buffers")
     a, b = socket.socketpair()
-    with a, b:
-        assert buffers.unread_bytes(b) is None
+    with a, b, pytest.raises(NotMeasurable, match="this platform has no FIONREAD"):
+        buffers.unread_bytes(b)

@@ -336,32 +336,6 @@ def test_bench_measures_both_modes_in_every_cell_and_counts_the_copy(tiny_llama:
     assert "(" in printable(table)["step kernel ms"].iloc[0]
 
 
-def test_the_experiment_reports_identity_and_judges_the_hypotheses(tiny_gpt2: LoadedModel) -> None:
-    from labkit.experiments import paged
-
-    cfg = paged.Config(
-        model="tiny-gpt2",
-        batches=(1, 4),
-        contexts=(16, 64),
-        repetitions=1,
-        steps=1,
-        identity_streams=2,
-        identity_tokens=3,
-    )
-    tables = paged.run(cfg)
-    assert paged.report(tables).splitlines() == [
-        "greedy streams, kernel vs gather: identical",
-        "decode logits, solo vs batched (kernel): identical",
-    ]
-    solo = tables["identity"].set_index("comparison").loc["decode logits, solo vs batched (kernel)"]
-    assert solo.cases == 3 * len(paged._SOLO_LENGTHS)  # every length is a target, in three batch sizes
-    verdicts = paged.verdicts(tables)
-    assert [v.name for v in verdicts] == ["kernel_step_is_cheaper", "kernel_attention_is_cheaper"]
-    assert all("context 64" in v.evidence for v in verdicts)
-    assert "4 sequences" in paged.findings(tables)
-    assert len(paged.plot(tables)) == 1
-
-
 def test_the_cli_prints_the_attention_table(capsys: pytest.CaptureFixture[str]) -> None:
     from labkit.cli import main
 

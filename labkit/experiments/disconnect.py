@@ -1,543 +1,345 @@
-"""Experiment 6, ``disconnect``: how soon does the engine let go of a client that has left?
+"""Notebook 06, part one: when the client goes away, how soon does the server let go?
 
-A client leaves by FIN (an orderly close) or by RST (an abortive one) at five moments: while its
-request waits for a slot (the batch, limited to 4, is full of other streams), right after the
-response's headers (before the first token), early (after 2 tokens), mid-stream and near the end.
-Each is repeated (6 times in ``full``) against two servers that differ in one thing only: the
-response class. Starlette's ``StreamingResponse`` listens for the disconnect and cancels the body;
-the write-only class never listens, as Starlette's own does on servers that speak ASGI 2.4.
-
-Measured, per trial: the time from the client's close (its clock) to the hub's ``close()`` (the
-server noticed), and to the release of the stream's blocks (the engine's finish event), both
-``time.perf_counter()`` in this process; the release also in engine steps after the hub's close
-(the engine applies a cancel at its next step boundary, so one step is the expected answer, and
-the seconds are then that step's duration); and tokens generated that nobody read (the server's
-count minus the client's). Trials run a few at once (two repetitions, FIN and RST interleaved):
-each is timed on its own stream's timestamps, and four streams is exactly the batch limit. The
-engine's step log of each server is kept (``steps``), so a step's duration can be read beside.
+* :data:`MOMENTS`: clients leave by FIN or RST, in pairs side by side, at five moments (waiting
+  for a slot in a full batch, after the head, after ``early_tokens``, half-way, ``end_margin``
+  before the end), against Starlette's response class (it listens for the disconnect) and the
+  write-only one (it never does). From the server's records: the client's close → the hub's close
+  (noticed) → the release, in ms and in engine steps, and the tokens nobody read.
+* :data:`FIN_RST`: many such pairs, each leaving at one point of a step: is a FIN noticed later?
+  The paired differences get a rank test and a 95% interval for their median, judged against a
+  margin of ``margin_steps`` of the server's step, fixed before measuring.
+* :data:`STOP`: any target. Streams read ``hold_tokens``, then all leave: does the server stop
+  generating? Witnessed by the best it offers: its records, ``/stats`` or ``/metrics`` (requests
+  running), its CPU time, else a follow-up request's pace; idle, while the streams run, after.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import time
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from labkit.experiments.chapter import beside
-from labkit.experiments.chapter import span as low_high
-from labkit.experiments.chapter_figures import figure
-from labkit.experiments.client import run_sync
-from labkit.experiments.profiles import Profile
-from labkit.experiments.progress import Progress, doing, tick
-from labkit.experiments.rawhttp import raw_stream
-from labkit.experiments.rawhttp import raw_stream as read_stream
-from labkit.experiments.readings import Verdict, current_step, fetch_steps, span
-from labkit.experiments.records import LeaveBy, StreamResult
-from labkit.experiments.servers import (
-    books,
-    lab_client,
-    loaded_model,
-    release_books,
-    released_records,
-    server_checks,
-    server_like,
-    server_stats_async,
-)
-from labkit.experiments.waiting import await_for
-from labkit.experiments.workload import bodies, long_prompts
+from labkit.lab import Experiment, ReadOptions, Sizes, Stream, Target, Trial, interval, judge, span, spread
+from labkit.lab.client import percentile as pct
+from labkit.lab.client import run_sync
+from labkit.lab.stream import LeaveBy
+from labkit.lab.witness import WaitTimeout, wait_for
+from labkit.prompts import cycle as prompts
 
-NAME = "disconnect"
-MOMENTS = ("waiting", "before_first", "early", "mid", "near_end")
-CLASSES = ("starlette", "write_only")
+MOMENTS_ = ("waiting", "before_first", "early", "mid", "near_end")
+CLASSES, OWN = ("starlette", "write_only"), "the server's own"
+WAYS: tuple[LeaveBy, LeaveBy] = ("fin", "rst")
+RUNNING = ("labkit_running_requests", "num_requests_running", "requests_processing", "num_running_reqs")
 
 
-@dataclass(frozen=True)
-class Config:
-    model: str = "smollm2-135m"
-    repetitions: int = 6
-    at_once: int = 2  # repetitions run together (each with FIN and RST): 4 streams, the batch limit
-    max_batch: int = 4
-    max_new_tokens: int = 32  # the chapter's 200 would make each write-only trial six times longer
-    early_tokens: int = 2
-    end_margin: int = 4  # "near the end" leaves this many tokens before max_new_tokens
-    # The streams that fill the batch for the "waiting" moment: they must outlast the wait for a
-    # full batch (read from /stats), the trial clients' connect, leave and the server's notice,
-    # or a slot opens and a "waiting" request is admitted (16 SmolLM2 steps: ~1.3 s).
-    blocker_tokens: int = 16
-    moments: tuple[str, ...] = MOMENTS
-    leave_by: tuple[LeaveBy, ...] = ("fin", "rst")
-    response_classes: tuple[str, ...] = CLASSES
-    drain_after_fin_s: float = 0.5
-    timeout: float = 120.0
-
-    @classmethod
-    def for_profile(cls, profile: Profile) -> Config:
-        if profile.full:
-            return cls(model=profile.model)
-        # tiny-gpt2's steps take a few ms: 200 of them keep the batch full for 0.45-0.75 s after it
-        # filled, while the waiting clients were gone (left, released) within 12-46 ms; 64 lasted
-        # 120-160 ms, close enough for an engine 3x faster to free a slot before they leave
-        return cls(model=profile.model, repetitions=4, max_new_tokens=24, blocker_tokens=200)
-
-    def __post_init__(self) -> None:
-        if set(self.moments) - set(MOMENTS) or set(self.response_classes) - set(CLASSES):
-            raise ValueError(
-                f"disconnect.Config: moments from {MOMENTS} and classes from {CLASSES}, "
-                f"got {self.moments!r}, {self.response_classes!r}"
-            )
-        if not 0 < self.early_tokens < self.max_new_tokens // 2 < self.max_new_tokens - self.end_margin:
-            raise ValueError(
-                f"disconnect.Config: need 0 < early_tokens < max_new_tokens/2 < max_new_tokens - "
-                f"end_margin, got {self.early_tokens}, {self.max_new_tokens}, {self.end_margin}"
-            )
-        if self.repetitions < 1 or self.at_once < 1:
-            raise ValueError("disconnect.Config.repetitions and at_once must be >= 1")
+def leave_after(s: Sizes, moment: str) -> int:
+    """Tokens a client reads before it leaves (0: once the head is in)."""
+    if not 0 < s.early_tokens < s.tokens // 2 < s.tokens - s.end_margin:
+        raise ValueError(f"disconnect: need 0 < early_tokens < tokens/2 < tokens - end_margin, got {s.as_dict()}")
+    return {"waiting": 0, "before_first": 0, "early": s.early_tokens, "mid": s.tokens // 2,
+            "near_end": s.tokens - s.end_margin}[moment]  # fmt: skip
 
 
-def server_options(config: Config) -> dict[str, Any]:
-    return {"model": config.model, **_settings(config, config.response_classes[0])}
+def server(s: Sizes, c: dict[str, Any]) -> dict[str, Any]:
+    kind = c.get("response_class", "starlette")
+    return {"max_batch": s.max_batch, "policy": "unbounded", "kv_cache_mb": 128, "response_class": kind}
 
 
-def _settings(config: Config, response_class: str) -> dict[str, Any]:
-    return {"max_batch": config.max_batch, "response_class": response_class, "policy": "unbounded"}
+def class_conditions(s: Sizes, target: Target, key: str = "", values: tuple = ("",)) -> list[dict[str, Any]]:
+    """Each response class (a target with fixed settings: its own) by each of ``values``."""
+    if set(s.classes) - set(CLASSES):
+        raise ValueError(f"disconnect: classes must come from {CLASSES}, got {s.classes}")
+    kinds = s.classes if target.caps.settings else (OWN,)
+    return [{"response_class": k, **({key: v} if key else {})} for k in kinds for v in values]
 
 
-def units(config: Config) -> int:
-    return len(config.response_classes) * len(config.moments) * -(-config.repetitions // config.at_once)
+# --------------------------------------------------------------------------- pairs at a moment
 
 
-def leave_after(config: Config, moment: str) -> int:
-    """Tokens a client reads before it leaves (0: as soon as the headers are in)."""
-    return {
-        "waiting": 0,
-        "before_first": 0,
-        "early": config.early_tokens,
-        "mid": config.max_new_tokens // 2,
-        "near_end": config.max_new_tokens - config.end_margin,
-    }[moment]
-
-
-def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
-    model = loaded_model(server, config.model)
-    prompts = long_prompts(model, config.max_new_tokens)
-    rows, checks, steps = [], [], []
-    for kind in config.response_classes:
-        with server_like(server, model, **_settings(config, kind)) as srv:
-            before, first_step = books(srv.url), current_step(srv.url)
-            for moment in config.moments:
-                for first in range(0, config.repetitions, config.at_once):
-                    reps = range(first, min(first + config.at_once, config.repetitions))
-                    doing(
-                        progress,
-                        f"{kind}: leave {moment}, repetitions {reps.start + 1}-{reps.stop}/{config.repetitions}",
-                    )
-                    rows += run_sync(trial_group(srv, config, prompts, kind, moment, list(reps)))
-                    tick(progress, trials=rows)
-            checks.append({"response_class": kind, **release_books(srv.url, before), **server_checks(srv.url)})
-            steps.append(fetch_steps(srv.url, since=first_step).assign(response_class=kind))
-    trials = pd.DataFrame(rows)
-    return {
-        "trials": trials,
-        "by_moment": by_moment(trials),
-        "checks": pd.DataFrame(checks),
-        "steps": pd.concat(steps, ignore_index=True),
-    }
-
-
-# --------------------------------------------------------------------------- one group of trials
-
-
-async def trial_group(
-    srv: Any, config: Config, prompts: list[int], kind: str, moment: str, reps: list[int]
-) -> list[dict[str, Any]]:
-    """FIN and RST clients for each repetition in ``reps``, at once; a row per client."""
-    plan = [(rep, how) for rep in reps for how in config.leave_by]
-    blockers = await _fill_batch(srv, config, prompts) if moment == "waiting" else []
-    requests = bodies(prompts[len(blockers) :] or prompts, len(plan), config.max_new_tokens)
-    clients = [
-        raw_stream(
-            srv.url,
-            body,
-            leave_after_tokens=leave_after(config, moment),
-            leave_by=how,
-            drain_after_fin_s=config.drain_after_fin_s,
-            timeout=config.timeout,
-        )
-        for body, (_, how) in zip(requests, plan)
-    ]
-    results = await asyncio.gather(*clients)
-    records = await released_records(srv.url, [r.request_id for r in results], timeout=config.timeout)
-    await asyncio.gather(*blockers)
-    return [trial_row(kind, moment, rep, how, r, rec) for (rep, how), r, rec in zip(plan, results, records)]
-
-
-async def _fill_batch(srv: Any, config: Config, prompts: list[int]) -> list[asyncio.Task[StreamResult]]:
-    """Start ``max_batch`` streams that read at once, and return when all of them are running
-    (``GET /stats``), or have already ended."""
-    requests = bodies(prompts, config.max_batch, config.blocker_tokens, ignore_eos=True)  # each holds its slot
-    tasks = [asyncio.ensure_future(read_stream(srv.url, body, leave_after_s=config.timeout)) for body in requests]
-
-    async def full(client: Any) -> bool:
-        return (
-            all(t.done() for t in tasks) or (await server_stats_async(client, srv.url))["running"] >= config.max_batch
-        )
-
+async def wave(target: Target, s: Sizes, moment: str) -> tuple[list[Stream], list[Any], pd.DataFrame]:
+    """``pairs`` FIN and RST clients (pair i: streams 2i and 2i+1, one prompt) leaving at ``moment``;
+    for ``waiting``, once the batch (its limit read from ``/stats``) is full of blockers, which
+    leave after them. The clients, the server's records of them once released, the step log."""
+    since, n, batch = target.current_step(), leave_after(s, moment), target.stats()["engine"]["max_batch"]
+    flags = [asyncio.Event() for _ in range(batch if moment == "waiting" else 0)]
+    blockers = [asyncio.ensure_future(target.stream(target.request(p, s.blocker_tokens), leave=f))
+                for p, f in zip(prompts(len(flags)), flags)]  # fmt: skip
     try:
-        async with lab_client() as client:
-            await await_for(lambda: full(client), timeout=config.timeout, what="a full batch", interval=0.01)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-    return tasks
+        if blockers:
+            full = lambda: target.stats()["running"] >= batch or all(b.done() for b in blockers)  # noqa: E731
+            await asyncio.to_thread(wait_for, full, timeout=s.timeout, what="a full batch")
+        ways = [ReadOptions(leave_after_tokens=n, leave_by=w, drain_after_fin_s=0.5, timeout=s.timeout) for w in WAYS]
+        texts = prompts(batch + s.pairs)[-s.pairs :]
+        requests = [target.request(p, s.tokens) for p in texts]
+        clients = await asyncio.gather(*(target.stream(r, o, raw=True) for r in requests for o in ways))
+        records = await asyncio.to_thread(target.released, [c.request_id for c in clients], s.timeout)
+    finally:
+        for flag in flags:
+            flag.set()
+        await asyncio.gather(*blockers, return_exceptions=True)
+    return list(clients), records, target.steps(since).set_index("step")
 
 
-def trial_row(kind: str, moment: str, rep: int, how: str, r: StreamResult, rec: Any) -> dict[str, Any]:
-    """The client's view and the server's record of one stream, times in ms from the client's close."""
-    left = r.left_at
-    sampled = getattr(rec, "first_token_sampled", None)
-    generated = getattr(rec, "tokens_generated", 0)
-
-    def since_left(t: float | None) -> float:
-        return np.nan if t is None or left is None else 1000 * (t - left)
-
-    return {
-        "response_class": kind,
-        "moment": moment,
-        "repetition": rep,
-        "leave_by": how,
-        "tokens_read": len(r.tokens),
-        "tokens_generated": generated,
-        "tokens_unread": generated - len(r.tokens),
-        "admitted_before_leave": sampled is not None and left is not None and sampled <= left,
-        "ever_admitted": sampled is not None,
-        "close_to_release_ms": since_left(getattr(rec, "released", None)),
-        "close_to_hub_close_ms": since_left(getattr(rec, "closed", None)),
-        "hub_close_to_release_steps": _steps_between(rec),
-        "engine_finish": getattr(rec, "finish_reason", None),
-        "left": r.left is not None,
-        "error": r.error,
-    }
+def trial_row(c: Stream, r: dict[str, Any] | None, log: pd.DataFrame) -> dict[str, Any]:
+    """One client: its close → the hub's close (noticed) → the release, in ms and in steps; the rest
+    of the step in progress at the hub's close and that step's length; tokens read and unread."""
+    row: dict[str, Any] = {"leave_by": c.left or "none", "tokens_read": c.tokens, "left": c.left is not None}
+    if r is None or c.left_at is None or r["closed"] is None:
+        return row
+    at, released = r["steps_at_close"], r["released"] or np.nan
+    step = log.loc[at] if at in log.index else pd.Series({"seconds": np.nan, "started": np.nan})
+    return {**row, "notice_ms": 1e3 * (r["closed"] - c.left_at), "release_ms": 1e3 * (released - c.left_at),
+            "release_steps": np.nan if r["release_step"] is None else r["release_step"] - at,
+            "step_ms": 1e3 * step.seconds, "rest_of_step_ms": 1e3 * (step.started + step.seconds - r["closed"])
+            if r["release_step"] is not None and r["release_step"] > at else np.nan,
+            "tokens_generated": r["tokens_generated"], "unread": r["tokens_generated"] - c.tokens,
+            "ever_admitted": r["first_token_sampled"] is not None, "engine_finish": r["finish_reason"]}  # fmt: skip
 
 
-def _steps_between(rec: Any) -> float:
-    """Engine steps from the hub's close to the release: 1 when the next step boundary let go;
-    0 or less when the stream had ended by itself before the close."""
-    at_close, released = getattr(rec, "steps_at_close", None), getattr(rec, "release_step", None)
-    return np.nan if at_close is None or released is None else float(released - at_close)
+def measure_moment(trial: Trial) -> list[dict[str, Any]]:
+    clients, records, log = run_sync(wave(trial.target, trial.sizes, trial.moment))
+    return [{"pair": i // 2, **trial_row(c, r, log)} for i, (c, r) in enumerate(zip(clients, records))]
 
 
-# --------------------------------------------------------------------------- tables
+def moment_tables(t: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
+    """The spread per class, moment and way; and the median release taken apart: the notice, the
+    rest of the step in progress at the hub's close, and whole steps after it."""
+    rows, by = t["rows"], ["response_class", "moment", "leave_by"]
+    parts = rows.groupby(by, sort=False)[["notice_ms", "rest_of_step_ms", "release_steps", "step_ms", "release_ms"]]
+    parts = parts.median()
+    whole = (parts.release_steps - 1).clip(lower=0) * parts.step_ms  # steps after the one in progress
+    parts["explained_ms"] = parts.notice_ms + parts.rest_of_step_ms + whole
+    cols = [c for c in ("notice_ms", "release_ms", "release_steps", "unread", "tokens_read") if c in rows]
+    return {"by_moment": spread(rows, by, cols), "decomposition": parts.reset_index()}  # fmt: skip
 
 
-def by_moment(trials: pd.DataFrame) -> pd.DataFrame:
-    """Per response class, moment and way of leaving: close-to-release and unread tokens."""
-    grouped = trials.groupby(["response_class", "moment", "leave_by"], sort=False)
-    return grouped.agg(
-        trials=("tokens_read", "size"),
-        tokens_read_max=("tokens_read", "max"),
-        hub_close_ms_median=("close_to_hub_close_ms", "median"),
-        hub_close_ms_max=("close_to_hub_close_ms", "max"),
-        release_ms_median=("close_to_release_ms", "median"),
-        release_ms_max=("close_to_release_ms", "max"),
-        release_steps_median=("hub_close_to_release_steps", "median"),
-        release_steps_max=("hub_close_to_release_steps", "max"),
-        unread_median=("tokens_unread", "median"),
-        unread_max=("tokens_unread", "max"),
-        admitted_before_leave=("admitted_before_leave", "sum"),
-        ever_admitted=("ever_admitted", "sum"),
-    ).reset_index()
-
-
-def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
-    trials = tables["trials"]
-    out: dict[str, Any] = {}
-    for kind, group in trials.groupby("response_class"):
-        out[kind] = {
-            "release_ms_max": float(group.close_to_release_ms.max()),
-            "release_ms_median": float(group.close_to_release_ms.median()),
-            "unread_max": int(group.tokens_unread.max()),
-            "waiting_ever_admitted": int(group[group.moment == "waiting"].ever_admitted.sum()),
-        }
+def moment_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
+    rows = t["rows"]
+    listen, write = rows[rows.response_class != "write_only"], rows[rows.response_class == "write_only"]
+    waited, late = listen[listen.moment == "waiting"], listen[listen.release_steps > 2]
+    short = write[(write.engine_finish != "length") | (write.tokens_generated < s.tokens)]
+    out = [judge("listening releases within two steps", "a response that listens lets the engine release a departed "
+                 "client's stream within 2 steps of the hub's close", "any such trial released later", late.empty,
+                 f"{len(late)} of {len(listen)} later; steps {span(listen.release_steps, '{:.0f}')}",
+                 checked=True)]  # fmt: skip
+    if len(waited):
+        out.append(judge("waiting never admitted", "a request whose client left while it waited is never admitted",
+                         "any such request gets a slot", not waited.ever_admitted.any(),
+                         f"{int(waited.ever_admitted.sum())} of {len(waited)} admitted", checked=True))  # fmt: skip
+    if len(write):
+        out.append(judge("write-only runs to the limit", "with the write-only class every abandoned stream is "
+                         "generated to its limit", "any ends before it", short.empty,
+                         f"{len(short)} of {len(write)} ended early",
+                         checked=True))  # fmt: skip
     return out
 
 
-def beside_chapter(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    trials = tables["trials"]
-    listen, write = trials[trials.response_class == "starlette"], trials[trials.response_class == "write_only"]
-    abandoned = write[write.moment != "waiting"]
-    fin_rst = listen.groupby("leave_by").close_to_release_ms.median()
-    return beside(
-        [
-            (
-                "Starlette's class: largest close-to-release",
-                figure("disconnect", "listen_release_max_ms"),
-                low_high([listen.close_to_release_ms.max()], "{:.1f}"),
-                "ms",
-            ),
-            (
-                "Starlette's class: tokens generated that nobody read",
-                figure("disconnect", "listen_unread"),
-                low_high(listen.tokens_unread, "{:.0f}"),
-                "tokens",
-            ),
-            (
-                "Starlette's class: waiting streams ever admitted",
-                figure("disconnect", "listen_waiting_admitted"),
-                f"{int(listen[listen.moment == 'waiting'].ever_admitted.sum())} of {int((listen.moment == 'waiting').sum())}",
-                "streams",
-            ),
-            (
-                "Starlette's class: median release, FIN / RST",
-                figure("disconnect", "listen_fin_rst"),
-                " / ".join(f"{fin_rst.get(k, float('nan')):.1f}" for k in ("fin", "rst")),
-                "ms",
-            ),
-            (
-                "write-only: abandoned sequences run to their limit",
-                figure("disconnect", "write_to_limit"),
-                f"{int((write.engine_finish == 'length').sum())} of {len(write)} (limit {int(write.tokens_generated.max())})",
-                "streams",
-            ),
-            (
-                "write-only: tokens the clients had read",
-                figure("disconnect", "write_tokens_read"),
-                low_high(abandoned.tokens_read, "{:.0f}"),
-                "tokens",
-            ),
-        ]
-    )
-
-
-def findings(tables: dict[str, pd.DataFrame]) -> str:
-    """A few plain sentences from this run's numbers."""
-    trials = tables["trials"]
-    said = []
-    listen = trials[trials.response_class == "starlette"]
-    if len(listen):
-        waiting = listen[listen.moment == "waiting"]
-        said.append(
-            f"With Starlette's class the hub closed a departed client's stream "
-            f"{span(listen.close_to_hub_close_ms, '{:.1f}', ' ms')} after the client's close "
-            f"(median, min–max over {len(listen)} trials), and the engine released it "
-            f"{span(listen.close_to_release_ms, '{:.0f}', ' ms')} after the close, with at most "
-            f"{int(listen.tokens_unread.max())} token(s) generated that nobody read; "
-            f"{int(waiting.ever_admitted.sum())} of {len(waiting)} requests left while waiting were ever admitted."
-        )
-        said.append(_waiting_in_steps(waiting, tables.get("steps")))
-        said.append(_fin_rst_before_first(listen))
-    write = trials[trials.response_class == "write_only"]
-    if len(write):
-        said.append(
-            f"With the write-only class {int((write.engine_finish == 'length').sum())} of {len(write)} "
-            f"abandoned streams ran to their limit of {int(write.tokens_generated.max())} tokens, released "
-            f"{span(write.close_to_release_ms / 1000, '{:.1f}', ' s')} after their clients had gone."
-        )
-    return " ".join(x for x in said if x)
-
-
-def _waiting_in_steps(waiting: pd.DataFrame, steps: pd.DataFrame | None) -> str:
-    """Close → release of a request that left while it waited, told in steps and step durations."""
-    if waiting.empty or waiting.hub_close_to_release_steps.isna().all():
-        return ""
-    text = (
-        f"A request that left while waiting was released {span(waiting.hub_close_to_release_steps, '{:.0f}')} "
-        f"step(s) after the hub's close (the engine applies a cancel at its next step boundary)"
-    )
-    if steps is not None and len(steps) and waiting.hub_close_to_release_steps.max() <= 1:
-        mine = steps[steps.response_class == "starlette"] if "response_class" in steps else steps
-        text += (
-            f"; this server's steps lasted {span(mine.seconds * 1000, '{:.0f}', ' ms')}, so its "
-            f"{span(waiting.close_to_release_ms, '{:.0f}', ' ms')} from close to release is "
-            f"{span(waiting.close_to_hub_close_ms, '{:.0f}', ' ms')} for the server to notice plus the step "
-            f"then running"
-        )
-    return text + "."
-
-
-def fin_rst_admitted(trials: pd.DataFrame) -> pd.DataFrame:
-    """Starlette's class, clients that left before their first token: admitted per way of leaving."""
-    early = trials[(trials.response_class == "starlette") & (trials.moment == "before_first")]
-    return (
-        early.groupby("leave_by")
-        .agg(
-            trials=("ever_admitted", "size"),
-            ever_admitted=("ever_admitted", "sum"),
-            tokens_generated_max=("tokens_generated", "max"),
-            hub_close_ms_median=("close_to_hub_close_ms", "median"),
-        )
-        .reset_index()
-    )
-
-
-def _fin_rst_before_first(listen: pd.DataFrame) -> str:
-    table = fin_rst_admitted(listen)
-    if len(table) < 2:
-        return ""
-    counts = {r.leave_by: (int(r.ever_admitted), int(r.trials)) for r in table.itertuples()}
-    (fa, fn), (ra, rn) = counts.get("fin", (0, 0)), counts.get("rst", (0, 0))
-    same = fa * rn == ra * fn
-    verdict = "the same share" if same else "a different share"
-    return (
-        f"Clients that left before their first token: {fa} of {fn} leaving by FIN and {ra} of {rn} leaving by RST "
-        f"were admitted (prefilled) anyway, {verdict} in this run."
-    )
-
-
-def verdicts(tables: dict[str, pd.DataFrame]) -> list[Verdict]:
-    """The hypotheses of the disconnect half of notebook 06, judged against their criteria."""
-    trials = tables["trials"]
-    listen = trials[trials.response_class == "starlette"]
-    write = trials[trials.response_class == "write_only"]
-    waiting = listen[listen.moment == "waiting"]
-    gone = listen.dropna(subset=["hub_close_to_release_steps"])
-    late = gone[gone.hub_close_to_release_steps > 2]
-    short = write[write.engine_finish != "length"]
-    fr = fin_rst_admitted(trials).set_index("leave_by")
-    share = (fr.ever_admitted / fr.trials).to_dict() if len(fr) else {}
-    return [
-        Verdict(
-            "listening_releases_within_two_steps",
-            "with Starlette's class the engine lets go of a departed client's stream within 2 steps of the hub's close",
-            "any Starlette trial released more than 2 steps after the hub's close",
-            bool(len(gone)) and late.empty,
-            f"{len(late)} of {len(gone)} trials later than 2 steps; steps: "
-            + span(gone.hub_close_to_release_steps, "{:.0f}"),
-        ),
-        Verdict(
-            "waiting_never_admitted",
-            "a request whose client left while it waited is never admitted (Starlette's class)",
-            "any such request gets a slot",
-            bool(len(waiting)) and not waiting.ever_admitted.any(),
-            f"{int(waiting.ever_admitted.sum())} of {len(waiting)} admitted",
-        ),
-        Verdict(
-            "write_only_runs_to_limit",
-            "with the write-only class every abandoned stream is generated to its limit",
-            "any write-only stream ends before max_new_tokens",
-            bool(len(write)) and short.empty,
-            f"{len(short)} of {len(write)} ended early",
-        ),
-        Verdict(
-            "fin_rst_alike_before_first",
-            "how a client closes (FIN or RST) before its first token does not change whether its request is admitted",
-            "the admitted shares of FIN and RST clients differ in the same run",
-            len(share) == 2 and share.get("fin") == share.get("rst"),
-            "; ".join(f"{k.upper()}: {int(fr.ever_admitted[k])} of {int(fr.trials[k])} admitted" for k in fr.index),
-        ),
-    ]
-
-
-CHECKED = ("listening_releases_within_two_steps", "waiting_never_admitted", "write_only_runs_to_limit")
-
-
-def report(tables: dict[str, pd.DataFrame]) -> str:
-    """Stable lines for a checked cell: the invariants, not the timings."""
-    lines = []
-    for _, row in tables["checks"].iterrows():
-        whole = "cache whole" if row.cache_whole else "CACHE NOT WHOLE"
-        once = "each stream finished once" if row.finished == row.submitted else "FINISHES != STREAMS"
-        released = "one release per admitted stream" if row.releases == row.admitted else "RELEASES != ADMITTED"
-        lines.append(
-            f"{row.response_class}: {whole}; {once}; {released}; {row.open_streams} streams open, "
-            f"{row.running} running, {row.waiting} waiting"
-        )
-    return "\n".join(lines + _behaviour(tables["trials"]))
-
-
-def _behaviour(trials: pd.DataFrame) -> list[str]:
-    """What each response class must do, on any machine: the listener never admits a request whose
-    client left while it waited; the write-only class generates every stream to its limit."""
-    listening, writing = (trials[trials.response_class == kind] for kind in CLASSES)
-    waited = listening[listening.moment == "waiting"]
-    lines = []
-    if len(waited):
-        lines.append(
-            "starlette: a client that left while waiting was never admitted: "
-            + ("yes" if not waited.ever_admitted.any() else f"NOT ({int(waited.ever_admitted.sum())} were)")
-        )
-    if len(writing):
-        short = int((writing.engine_finish != "length").sum())
-        lines.append(
-            "write_only: every stream generated to its limit after its client left: "
-            + ("yes" if short == 0 else f"NOT ({short} ended early)")
-        )
-    return lines
-
-
-def plot(tables: dict[str, pd.DataFrame]) -> list:
-    figures = [_plot_release(tables["trials"]), _plot_unread(tables["trials"])]
-    if {"close_to_hub_close_ms", "hub_close_to_release_steps"} <= set(tables["trials"].columns):
-        figures.insert(1, _plot_notice(tables["trials"]))
-    return figures
-
-
-def _plot_notice(trials: pd.DataFrame):
-    """The best evidence: how soon after the client's close the server closed the stream (every
-    trial, per class and way of leaving); and the steps from that close to the release."""
-    from labkit.plots import new_figure
-
-    fig, (left, right) = new_figure("disconnect_notice", ncols=2)
-    for (kind, how), part in trials.groupby(["response_class", "leave_by"], sort=False):
-        ms = np.sort(part.close_to_hub_close_ms.dropna().clip(lower=0.01).to_numpy())
-        if len(ms):
-            left.step(
-                ms, np.arange(1, len(ms) + 1) / len(ms), where="post", label=f"{kind.replace('_', '-')}, {how.upper()}"
-            )
-    left.set(
-        xscale="log",
-        xlabel="ms from the client's close to the hub's close",
-        ylabel="share of trials",
-        title="When the server noticed",
-    )
-    left.legend(fontsize="small")
-    listen = trials[trials.response_class == "starlette"].dropna(subset=["hub_close_to_release_steps"])
-    for offset, (how, part) in zip((-0.12, 0.12), listen.groupby("leave_by", sort=False)):
-        xs = [MOMENTS.index(m) + offset for m in part.moment]
-        right.scatter(xs, part.hub_close_to_release_steps, s=14, alpha=0.7, label=how.upper())
-    right.axhline(1, color="gray", lw=0.8, ls=":")
-    if len(listen):
-        low, high = listen.hub_close_to_release_steps.min(), listen.hub_close_to_release_steps.max()
-        right.set_ylim(min(0, low) - 0.5, max(2, high) + 0.5)
-    right.set(
-        xticks=range(len(MOMENTS)),
-        ylabel="engine steps from the hub's close to the release",
-        title="Starlette's class: release in steps",
-    )
-    right.set_xticklabels([m.replace("_", " ") for m in MOMENTS], rotation=20)
-    right.legend(fontsize="small")
-    return fig
-
-
-def _plot_release(trials: pd.DataFrame):
+def moment_plots(t: dict[str, pd.DataFrame], s: Sizes) -> list:
     from labkit.plots import new_figure
 
     fig, axes = new_figure("disconnect_release", ncols=2)
-    for ax, (kind, group) in zip(axes, trials.groupby("response_class", sort=False)):
-        for offset, (how, part) in zip((-0.12, 0.12), group.groupby("leave_by", sort=False)):
-            xs = [MOMENTS.index(m) + offset for m in part.moment]
-            ax.scatter(xs, part.close_to_release_ms.clip(lower=0.1), s=14, label=how.upper())
-        ax.set(
-            yscale="log",
-            xticks=range(len(MOMENTS)),
-            title=kind.replace("_", "-"),
-            ylabel="ms from the client's close to the release",
-        )
-        ax.set_ylim(0.5 * trials.close_to_release_ms.clip(lower=0.1).min(), 2 * trials.close_to_release_ms.max())
-        ax.set_xticklabels([m.replace("_", " ") for m in MOMENTS], rotation=20)
-        ax.legend()
-    return fig
+    for ax, (kind, group) in zip(axes, t["rows"].dropna(subset=["release_ms"]).groupby("response_class", sort=False)):
+        for dx, (how, g) in zip((-0.12, 0.12), group.groupby("leave_by", sort=False)):
+            ax.scatter(g.moment.map(s.moments.index) + dx, g.release_ms.clip(lower=0.1), s=12, label=how.upper())
+        ax.set(yscale="log", title=kind.replace("_", "-"), ylabel="ms from the client's close to the release")
+        ax.set_xticks(range(len(s.moments)), [m.replace("_", " ") for m in s.moments], rotation=20)
+        ax.legend(fontsize="small")
+    return [fig]
 
 
-def _plot_unread(trials: pd.DataFrame):
+MOMENTS = Experiment(
+    name="disconnect.moments",
+    title="FIN and RST at five moments, Starlette's response against a write-only one: close, notice, release",
+    sizes={"full": {"classes": CLASSES, "moments": MOMENTS_, "tokens": 200, "blocker_tokens": 32, "max_batch": 8,
+                    "pairs": 4, "early_tokens": 2, "end_margin": 4, "timeout": 120.0, "repetitions": 1},
+           "ci": {"classes": CLASSES, "moments": MOMENTS_, "tokens": 200, "blocker_tokens": 200, "max_batch": 4,
+                  "pairs": 2, "early_tokens": 2, "end_margin": 4, "timeout": 60.0, "repetitions": 1}},
+    conditions=lambda s, target: class_conditions(s, target, "moment", s.moments),
+    server=server,
+    measure=measure_moment,
+    tables=moment_tables,
+    verdicts=moment_verdicts,
+    plots=moment_plots,
+    needs=("lab",),
+    chapter={"max_batch": (4, "four pairs side by side in one wave; the blockers fill whatever the limit is"),
+             "pairs": ("6 repetitions", "four of each way per cell (each write-only trial generates its whole limit); "
+                       "FIN against RST has its own measurement, with many pairs"),
+             "blocker_tokens": (200, "they only need to outlast the waiting clients' leave, and leave after them")},
+)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- FIN against RST
+
+
+def measure_pairs(trial: Trial) -> list[dict[str, Any]]:
+    clients, records, log = run_sync(wave(trial.target, trial.sizes, trial.moment))
+    rows, step_ms = [trial_row(c, r, log) for c, r in zip(clients, records)], 1e3 * log.seconds.median()
+    return [{"pair": i, "fin_ms": f.get("notice_ms", np.nan), "rst_ms": r.get("notice_ms", np.nan), "step_ms": step_ms,
+             "fin_admitted": f.get("ever_admitted"), "rst_admitted": r.get("ever_admitted")}
+            for i, (f, r) in enumerate(zip(rows[::2], rows[1::2]))]  # fmt: skip
+
+
+def pair_tables(t: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
+    """Per moment: FIN minus RST, pair by pair: its median with a 95% interval, Wilcoxon's signed-rank
+    p, how many pairs had the FIN noticed later, and the margin (``margin_steps`` of a step)."""
+    from scipy.stats import wilcoxon
+
+    out = []
+    rows = t["rows"].assign(diff_ms=lambda r: r.fin_ms - r.rst_ms).dropna(subset=["diff_ms"])
+    for moment, g in rows.groupby("moment", sort=False):
+        ci, p = interval(g.diff_ms.to_numpy()), float(wilcoxon(g.diff_ms).pvalue) if g.diff_ms.any() else 1.0
+        out.append({"moment": moment, "pairs": len(g), "fin_ms": g.fin_ms.median(), "rst_ms": g.rst_ms.median(),
+                    "diff_ms": ci.estimate, "ci_low": ci.low, "ci_high": ci.high, "wilcoxon_p": p,
+                    "margin_ms": s.margin_steps * g.step_ms.median(), "fin_later": int((g.diff_ms > 0).sum()),
+                    "fin_admitted": int(g.fin_admitted.sum()), "rst_admitted": int(g.rst_admitted.sum())})  # fmt: skip
+    return {"fin_rst": pd.DataFrame(out)}
+
+
+def pair_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
+    out = []
+    for r in t["fin_rst"].itertuples():
+        inside = -r.margin_ms < r.ci_low and r.ci_high < r.margin_ms
+        outside = r.ci_low > r.margin_ms or r.ci_high < -r.margin_ms
+        out.append(judge(f"FIN and RST alike: {r.moment}", "how a client closes changes how soon the server notices "
+                         "by less than the margin", "the 95% interval of the median paired difference (FIN minus RST) "
+                         "lies outside the margin; unclear while it crosses an edge",
+                         True if inside else False if outside else None,
+                         f"{r.diff_ms:+.2f} ms (95% CI {r.ci_low:+.2f} to {r.ci_high:+.2f}), margin "
+                         f"±{r.margin_ms:.2f} ms, Wilcoxon p={r.wilcoxon_p:.2g}, FIN later in {r.fin_later} "
+                         f"of {r.pairs}"))  # fmt: skip
+    return out
+
+
+def pair_plots(t: dict[str, pd.DataFrame], s: Sizes) -> list:
     from labkit.plots import new_figure
 
-    fig, (ax,) = new_figure("disconnect_unread")
-    table = trials.groupby(["moment", "response_class"]).tokens_unread.mean().unstack().reindex(MOMENTS)
-    table.plot.bar(ax=ax, rot=20)
-    ax.set(xlabel="", ylabel="tokens generated that nobody read (mean)", title="Work done for a client that had gone")
-    return fig
+    fig, (ax,) = new_figure("disconnect_fin_rst")
+    for i, ((_, g), r) in enumerate(zip(t["rows"].groupby("moment", sort=False), t["fin_rst"].itertuples())):
+        ax.scatter(i + np.linspace(-0.3, 0.3, len(g)), g.fin_ms - g.rst_ms, s=8, alpha=0.6)
+        ax.errorbar(i, r.diff_ms, yerr=[[r.diff_ms - r.ci_low], [r.ci_high - r.diff_ms]], fmt="ks", capsize=4)
+        ax.fill_between([i - 0.4, i + 0.4], -r.margin_ms, r.margin_ms, color="gray", alpha=0.2)
+    ax.set_xticks(range(len(t["fin_rst"])), list(t["fin_rst"].moment))
+    ax.set(ylabel="FIN minus RST, ms to the hub's close", title="Every pair, the median, its 95% interval, the margin")
+    return [fig]
+
+
+FIN_RST = Experiment(
+    name="disconnect.fin_rst",
+    title="FIN against RST, side by side in pairs: the paired difference in when the server noticed",
+    sizes={"full": {"moments": MOMENTS_, "tokens": 48, "blocker_tokens": 64, "max_batch": 16, "pairs": 8,
+                    "early_tokens": 2, "end_margin": 4, "margin_steps": 0.1, "timeout": 120.0, "repetitions": 7},
+           "ci": {"moments": MOMENTS_, "tokens": 48, "blocker_tokens": 200, "max_batch": 8, "pairs": 4,
+                  "early_tokens": 2, "end_margin": 4, "margin_steps": 0.1, "timeout": 60.0, "repetitions": 3}},
+    conditions=lambda s, target: [{"moment": m} for m in s.moments],
+    server=lambda s, c: server(s, {}),
+    measure=measure_pairs,
+    tables=pair_tables,
+    verdicts=pair_verdicts,
+    plots=pair_plots,
+    needs=("lab",),
+    chapter={"tokens": (200, "a pair's moment is where in its stream the client leaves (half-way, 4 before the "
+                        "end): 48-token streams put mid and near_end 24 and 44 steps in, so every moment gets its "
+                        "fifty pairs within the notebook's time; the moments table runs the chapter's 200"),
+             "max_batch": (4, "more pairs a wave: fifty or more per moment within the notebook's time"),
+             "blocker_tokens": (200, "they only need to outlast the waiting clients' leave, and leave after them")},
+)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- does it stop? (any target)
+
+
+def witness_of(target: Target) -> str:
+    """The best witness of work in progress this target offers."""
+    caps = target.caps
+    return next(w for w, ok in (("records", caps.lab), ("stats", caps.stats), ("metrics", caps.metrics and
+                running(target) is not None), ("cpu", caps.cpu), ("follow-up", True)) if ok)  # fmt: skip
+
+
+def running(target: Target) -> float | None:
+    """Requests running, from a Prometheus gauge whose name says so (summed over labels)."""
+    found = [v for k, v in target.metrics().items() if any(name in k for name in RUNNING)]
+    return sum(found) if found else None
+
+
+def reading(target: Target, witness: str, window_s: float, follow_tokens: int) -> float:
+    """Work in progress now: requests running; CPU seconds per second over ``window_s``; or a
+    follow-up request's median gap (slower while the server still generates for others)."""
+    if witness in ("stats", "metrics"):
+        return float(target.stats()["running"] if witness == "stats" else running(target) or 0.0)
+    if witness == "cpu":
+        start, cpu = time.perf_counter(), target.cpu_seconds()
+        time.sleep(window_s)
+        return (target.cpu_seconds() - cpu) / (time.perf_counter() - start)
+    return pct(target.read(target.request(prompts(1)[0], follow_tokens), ReadOptions(timeout=120.0)).gaps, 50)
+
+
+async def _stop(target: Target, s: Sizes, how: LeaveBy) -> dict[str, Any]:
+    """Idle, while ``streams`` run (once each has ``hold_tokens``), then after they all left: the
+    witness's readings, and ``kept_on``: the share of the rest the server still did (0: it stopped)."""
+    witness, flag, results = witness_of(target), asyncio.Event(), [Stream() for _ in range(s.streams)]
+    read = lambda window: asyncio.to_thread(reading, target, witness, window, s.follow_tokens)  # noqa: E731
+    idle = np.nan if witness == "records" else await read(0.5)
+    opts = ReadOptions(leave_by=how, drain_after_fin_s=0.5, timeout=s.timeout)
+    tasks = [asyncio.ensure_future(target.stream(target.request(p, s.tokens), opts, leave=flag, result=r))
+             for p, r in zip(prompts(s.streams), results)]  # fmt: skip
+    try:
+        held = lambda: all(len(r.token_times) >= s.hold_tokens or r.ended for r in results)  # noqa: E731
+        await asyncio.to_thread(wait_for, held, timeout=s.timeout, what="the held tokens")
+        gap = pct([g for r in results for g in r.gaps], 50)
+        window, during = s.window_gaps * gap, np.nan if witness == "records" else await read(s.window_gaps * gap)
+    except WaitTimeout:
+        during = window = gap = np.nan
+    finally:
+        flag.set()
+        await asyncio.gather(*tasks)
+    tokens = [r.tokens for r in results]
+    row = {"witness": witness, "streams_left": sum(r.left is not None for r in results), "tokens_read": np.mean(tokens),
+           "failed": sum(r.failure is not None for r in results), "window_s": window,
+           "left_before_end_s": (s.tokens - max(tokens)) * gap}  # fmt: skip
+    if witness == "records":
+        records = await asyncio.to_thread(target.released, [r.request_id for r in results], s.timeout)
+        made = [(x["tokens_generated"] - n) / max(1, s.tokens - n) for x, n in zip(records, tokens) if x]
+        return {**row, "kept_on": float(np.median(made)) if made else np.nan}
+    await asyncio.sleep(window if witness in ("stats", "metrics") else 0.0)  # a few gaps for the server to notice
+    after = await read(window)
+    kept_on = (after - idle) / (during - idle) if during > idle else np.nan
+    return {**row, "idle": idle, "during": during, "after": after, "kept_on": kept_on}
+
+
+def stop_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
+    """Per class: a listening server stops (kept on below half the rest), a write-only one does
+    not; unclear where the streams did not move the witness, or would have ended within twice its
+    window anyway."""
+    out = []
+    for kind, g in t["rows"].groupby("response_class", sort=False):
+        usable = g[(g.left_before_end_s > 2 * g.window_s) | (g.witness == "records")].kept_on.dropna()
+        stops = kind != "write_only"
+        out.append(judge(f"{kind}: {'stops' if stops else 'keeps generating'}", "when its clients leave, the server "
+                         f"{'stops' if stops else 'keeps on'} generating for them", "in any usable round it "
+                         f"{'kept on with half the rest or more' if stops else 'did less than half the rest'}",
+                         None if usable.empty else bool(((usable < 0.5) == stops).all()),
+                         f"{g.witness.iloc[0]}: kept on {span(usable)} of the rest; {len(usable)} of {len(g)} rounds "
+                         "usable", checked=bool((g.witness == "records").all())))  # fmt: skip
+    return out
+
+
+STOP = Experiment(
+    name="disconnect.stop",
+    title="Streams read a while, then all leave: does the server stop generating? (any target)",
+    sizes={"full": {"classes": CLASSES, "streams": 4, "tokens": 96, "hold_tokens": 8, "window_gaps": 10,
+                    "follow_tokens": 12, "max_batch": 8, "timeout": 120.0, "repetitions": 1},
+           "ci": {"classes": CLASSES, "streams": 4, "tokens": 200, "hold_tokens": 8, "window_gaps": 10,
+                  "follow_tokens": 12, "max_batch": 8, "timeout": 60.0, "repetitions": 2}},
+    conditions=lambda s, target: class_conditions(s, target, "leave_by", WAYS),
+    server=server,
+    measure=lambda trial: run_sync(_stop(trial.target, trial.sizes, trial.leave_by)),
+    tables=lambda t, s: {"rounds": spread(t["rows"], ["response_class", "leave_by", "witness"], ["kept_on"])},
+    verdicts=stop_verdicts,
+    chapter={"tokens": (200, "streams still running when their clients leave are all the probe needs (a round "
+                        "whose streams would have ended within the witness's window is set aside)")},
+)  # fmt: skip
+
+SPECS = (MOMENTS, FIN_RST, STOP)

@@ -1,350 +1,271 @@
-"""Experiment 2, ``isolation``: does a stream's answer depend on its neighbours in the batch?
+"""Notebook 02, isolation: does a stream's answer depend on its neighbours in the batch?
 
-Rows of a batch should not interact, so a prompt streamed beside N-1 others should produce the
-same token ids as the same prompt streamed alone. That is a property to test, not to assume:
-padding, tiling or a different matmul shape can change which of two close tokens wins. Each
-prompt is first streamed alone over HTTP; then the first N prompts are streamed at once, for
-each N and several repetitions, and every stream is compared with its solo run. Where two runs
-differ we report the first differing position (token index, and the engine step that made that
-token) and, from the reference model (plain transformers, no batching), the logit margin between
-the two tokens there: a small margin says "a near tie broken differently", a large one says "a bug".
-
-The counterfactual: the same prompts, in the same run, on a second server over the same loaded
-model with ``batch_invariant=False`` (plain matmuls, whose summation order may follow the batch
-shape). What the invariant mode buys is the difference between the two.
+* :data:`STREAMS`: the chapter's comparison over HTTP: each prompt streamed alone, then the first
+  N at once, every concurrent stream compared token id by token id with its solo run, in the
+  batch-invariant mode and the plain one; where one differs, the token and the engine step.
+* :data:`LOGITS`: what the claim is about. On the engine's runner, probes decoded alone and inside
+  batches of several sizes, fed the same tokens, their logits compared bit for bit at every step,
+  in both modes and two precisions, with the top-2 margin at every token and the greedy flips. A
+  token comparison sees a difference only where it crosses a near tie; this one sees every one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
-from labkit.experiments.client import launch_in_turn, launch_streams, run_sync
-from labkit.experiments.profiles import Profile
-from labkit.experiments.progress import Progress, doing, tick
-from labkit.experiments.readings import Verdict, current_step, fetch_steps, span
-from labkit.experiments.servers import loaded_model, server_like
-from labkit.prompts import PROMPTS
+from labkit.lab import Experiment, Sizes, Stream, Target, Trial, judge
+from labkit.prompts import PROMPTS, context_ids
 
-NAME = "isolation"
-MODES = {"invariant": True, "plain": False}  # mode name -> EngineConfig.batch_invariant
-CHECKED = ("invariant_equals_solo", "alone_equals_solo")  # verdicts that hold under every profile
+MODES = ("invariant", "plain")
 
 
-@dataclass(frozen=True)
-class Config:
-    model: str = "smollm2-135m"
-    levels: tuple[int, ...] = (1, 2, 8, 16)
-    repetitions: int = 3
-    max_new_tokens: int = 32
-    modes: tuple[str, ...] = ("invariant", "plain")
-
-    @classmethod
-    def for_profile(cls, profile: Profile) -> Config:
-        if profile.full:
-            # Both modes, SmolLM2, 2 cores: solo runs 16 x 32 tokens (~45 s invariant, ~30 s plain)
-            # and 3 x (1, 2, 8, 16) at once (~12 s a repetition): about 2.5 minutes with the load.
-            return cls(model=profile.model)
-        return cls(model=profile.model, levels=(1, 2, 4, 8), repetitions=3, max_new_tokens=24)
-
-    def __post_init__(self) -> None:
-        if not self.levels or min(self.levels) < 1 or max(self.levels) > len(PROMPTS):
-            raise ValueError(f"isolation.Config.levels must lie in [1, {len(PROMPTS)}], got {self.levels!r}")
-        if self.repetitions < 1 or self.max_new_tokens < 1:
-            raise ValueError("isolation.Config.repetitions and max_new_tokens must be >= 1")
-        if not self.modes or set(self.modes) - set(MODES):
-            raise ValueError(f"isolation.Config.modes must be from {tuple(MODES)}, got {self.modes!r}")
+def modes(target: Target) -> tuple[str, ...]:
+    """Both modes where the lab can start servers; else the one the server runs ("as served")."""
+    return MODES if target.caps.settings else ("as served",)
 
 
-def server_options(config: Config, mode: str | None = None) -> dict[str, Any]:
-    return {"model": config.model, **_settings(config, mode or config.modes[0])}
-
-
-def _settings(config: Config, mode: str) -> dict[str, Any]:
-    return {"max_batch": max(config.levels), "batch_invariant": MODES[mode]}
-
-
-def units(config: Config) -> int:
-    return len(config.modes) * (1 + len(config.levels) * config.repetitions)
-
-
-def bodies(config: Config, n: int) -> list[dict[str, Any]]:
-    return [{"prompt": p, "max_new_tokens": config.max_new_tokens} for p in PROMPTS[:n]]
-
-
-def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
-    """Each mode on its own server over one loaded model: solo runs, then every level, repeated."""
-    model = loaded_model(server, config.model)
-    parts, solos, steps = [], [], []
-    for mode in config.modes:
-        with server_like(server, model, **_settings(config, mode)) as srv:
-            first_step = current_step(srv.url)
-            solo_ids, rows = _one_mode(srv, config, mode, progress)
-            parts.append(add_margins(pd.DataFrame(rows), model, solo_ids))
-            solos += [
-                {"mode": mode, "prompt": i, "tokens": len(ids), "token_ids": " ".join(map(str, ids))}
-                for i, ids in enumerate(solo_ids)
-            ]
-            steps.append(fetch_steps(srv.url, since=first_step).assign(mode=mode))
-    streams = pd.concat(parts, ignore_index=True)
-    return {
-        "streams": streams,
-        "levels": levels_table(streams),
-        "solo": pd.DataFrame(solos),
-        "steps": pd.concat(steps, ignore_index=True),
-    }
-
-
-def _one_mode(
-    srv: Any, config: Config, mode: str, progress: Progress | None
-) -> tuple[list[list[int]], list[dict[str, Any]]]:
-    """The solo token ids of every prompt, and a row per concurrent stream compared with its solo run."""
-    doing(progress, f"{mode}: solo reference runs of {max(config.levels)} prompts")
-    solo = run_sync(launch_in_turn(srv.url, bodies(config, max(config.levels))))
-    tick(progress)
-    solo_ids = [r.token_ids for r in solo.results]
-    rows: list[dict[str, Any]] = []
-    for level in config.levels:
-        for rep in range(config.repetitions):
-            doing(progress, f"{mode}: {level} streams at once, repetition {rep + 1}/{config.repetitions}")
-            launch = run_sync(launch_streams(srv.url, bodies(config, level)))
-            for i, r in enumerate(launch.results):
-                row = {"mode": mode, **_compare(level, rep, i, r.token_ids, solo_ids[i], r.error)}
-                rows.append({**row, **_divergence_step(srv.url, r.request_id, row["first_diff"])})
-            tick(progress, streams=rows)
-    return solo_ids, rows
-
-
-def _divergence_step(url: str, rid: str | None, index: int | None) -> dict[str, Any]:
-    """The engine step that made token ``index`` of stream ``rid``, read from the server's record.
-
-    A stream decodes one token per step from its prefill (token 0) to its last token, and the
-    engine releases it in the step that made the last one: token ``k`` came from step
-    ``release_step - (tokens_generated - 1 - k)``; ``admitted_step`` is that of token 0.
-    """
-    import httpx
-
-    out: dict[str, Any] = {"admitted_step": None, "diverged_step": None}
-    if rid is None:
-        return out
-    record = httpx.get(f"{url}/lab/streams/{rid}", timeout=10).json()
-    if record.get("release_step") is None or not record.get("tokens_generated"):
-        return out
-    first = int(record["release_step"]) - (int(record["tokens_generated"]) - 1)
-    out["admitted_step"] = first
-    if index is not None:
-        out["diverged_step"] = first + int(index)
-    return out
-
-
-def _compare(level: int, rep: int, index: int, ids: list[int], solo: list[int], error: str | None) -> dict[str, Any]:
-    first = first_difference(ids, solo)
-    return {
-        "level": level,
-        "repetition": rep,
-        "prompt": index,
-        "tokens": len(ids),
-        "solo_tokens": len(solo),
-        "identical": first is None and error is None,
-        "first_diff": first,
-        "solo_token": solo[first] if first is not None and first < len(solo) else None,
-        "concurrent_token": ids[first] if first is not None and first < len(ids) else None,
-        "client_error": error,
-    }
+def settings(s: Sizes, mode: str) -> dict[str, Any]:
+    return {"max_batch": max(s.levels), "batch_invariant": mode != "plain"}
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first position where the two sequences differ (a length difference counts); None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+    """The first index where the two differ (a length difference counts); None if equal."""
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return i if i is not None or len(a) == len(b) else min(len(a), len(b))
 
 
-def add_margins(streams: pd.DataFrame, loaded: Any, solo_ids: list[list[int]]) -> pd.DataFrame:
-    """For each differing stream: the reference model's logit margin where the two runs split.
-
-    ``margin`` is logit(solo token) - logit(concurrent token) after the prompt and the tokens both
-    runs share; ``top2_margin`` is the gap between the reference's best two logits there.
-    """
-    streams = streams.copy()
-    streams["margin"] = float("nan")
-    streams["top2_margin"] = float("nan")
-    differing = streams[streams.solo_token.notna() & streams.concurrent_token.notna()]
-    seen: dict[tuple[int, int], Any] = {}  # repetitions often split at the same place: one forward each
-    for idx, row in differing.iterrows():
-        prompt, position = int(row.prompt), int(row.first_diff)
-        if (prompt, position) not in seen:
-            seen[prompt, position] = reference_logits(loaded, PROMPTS[prompt], solo_ids[prompt][:position])
-        logits = seen[prompt, position]
-        top = logits.topk(2).values
-        streams.loc[idx, "margin"] = float(logits[int(row.solo_token)] - logits[int(row.concurrent_token)])
-        streams.loc[idx, "top2_margin"] = float(top[0] - top[1])
-    return streams
+# --------------------------------------------------------------------------- streams over HTTP
 
 
-def reference_logits(loaded: Any, prompt: str, prefix: list[int]):
-    """Next-token logits of the plain transformers model (no cache, no batch) after prompt + prefix."""
+def solo_runs(target: Target, s: Sizes) -> dict[str, list[Stream]]:
+    """Every prompt streamed alone, one after another, on each mode's server: the references."""
+    out = {}
+    for mode in modes(target):
+        server = target.variant(**settings(s, mode)) if target.caps.settings else target
+        out[mode] = [server.read(server.request(p, s.tokens)) for p in PROMPTS[: max(s.levels)]]
+    return out
+
+
+def measure_streams(trial: Trial) -> list[dict[str, Any]]:
+    target, s = trial.target, trial.sizes
+    together = target.launch([target.request(p, s.tokens) for p in PROMPTS[: trial.level]]).streams
+    records = target.records([st.request_id for st in together]) if target.caps.lab else [None] * len(together)
+    rows = []
+    for i, (stream, solo, record) in enumerate(zip(together, trial.state[trial.mode], records)):
+        first = first_difference(stream.token_ids, solo.token_ids)
+        failure = stream.failure or solo.failure
+        rows.append({"prompt": i, "tokens": stream.tokens, "identical": first is None and failure is None,
+                     "first_diff": first, "diverged_step": _step_of(record, first), "failure": failure,
+                     "solo_token": _at(solo.token_ids, first), "concurrent_token": _at(stream.token_ids, first)})  # fmt: skip
+    return rows
+
+
+def _at(ids: list[int], i: int | None) -> int | None:
+    return ids[i] if i is not None and i < len(ids) else None
+
+
+def _step_of(record: dict[str, Any] | None, index: int | None) -> int | None:
+    """The engine step that made token ``index``: a stream makes one token per step from its
+    prefill to its release, so token k came from ``release_step - (generated - 1 - k)``."""
+    if record is None or index is None or record.get("release_step") is None:
+        return None
+    return int(record["release_step"]) - (int(record["tokens_generated"]) - 1 - index)
+
+
+def stream_tables(tables: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
+    g = tables["rows"].groupby(["mode", "level"], sort=False)
+    levels = pd.DataFrame({"streams": g.size(), "identical": g.identical.sum().astype(int),
+                           "earliest_first_diff": g.first_diff.min(), "earliest_step": g.diverged_step.min()})  # fmt: skip
+    rows = tables["rows"]
+    return {"levels": levels.reset_index(), "divergences": rows[~rows.identical].reset_index(drop=True)}
+
+
+def stream_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
+    rows = tables["rows"]
+    invariant, alone = rows[rows["mode"] != "plain"], rows[rows.level == 1]
+
+    def differ(g: pd.DataFrame) -> str:
+        return f"{int((~g.identical).sum())} of {len(g)} streams differ from their solo run"
+
+    return [
+        judge("concurrent equals solo (invariant)", "with batch_invariant on (or as a server the lab did not start "
+              "is set), every concurrent stream has its solo run's token ids", "any such stream differs or failed",
+              bool(len(invariant)) and bool(invariant.identical.all()), differ(invariant), checked=True),
+        judge("alone equals solo", "a stream served alone (level 1) repeats its solo run in every mode",
+              "any level-1 stream differs or failed", bool(len(alone)) and bool(alone.identical.all()),
+              differ(alone), checked=True),
+    ]  # fmt: skip
+
+
+STREAMS = Experiment(
+    name="isolation.streams",
+    title="Concurrent streams against their solo runs, token id by token id, in both modes",
+    sizes={"full": {"levels": (1, 2, 4, 8, 16, 32), "tokens": 16, "repetitions": 3},
+           "ci": {"levels": (1, 2, 4, 8), "tokens": 12, "repetitions": 2}},
+    conditions=lambda s, target: [{"mode": m, "level": n} for m in modes(target) for n in s.levels],
+    server=lambda s, c: settings(s, c["mode"]),
+    prepare=solo_runs,
+    measure=measure_streams,
+    tables=stream_tables,
+    verdicts=stream_verdicts,
+    needs=("native",),
+    chapter={"levels": ((1, 2, 4, 8, 16, 32), "a test run"), "repetitions": (3, "a test run"),
+             "tokens": (64, "a solo run costs a step per token; isolation.logits has the power, comparing bits")},
+)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- logits in process
+
+
+def prompt_ids(tokenizer: Any, n: int) -> list[list[int]]:
+    """The lab's prompts, then (past them) windows cut from the prompts run together."""
+    ids = [list(tokenizer.encode(p)) for p in PROMPTS[:n]]
+    return ids + context_ids(tokenizer, 4 * (n - len(ids)), 48)[::4]
+
+
+def compare(solo: Any, batched: Any) -> dict[str, Any]:
+    """A row's logits (a tensor) against its solo ones: bitwise equal?, the largest |Δ|, the solo
+    top-2 margin, how far the batch moved that gap, and whether the greedy token flipped."""
     import torch
 
-    ids = list(loaded.tokenizer.encode(prompt)) + list(prefix)
+    top = solo.topk(2)
+    (a, b), moved = top.indices.tolist(), batched[top.indices[0]] - batched[top.indices[1]]
+    return {"differs": not torch.equal(solo, batched), "delta": float((solo - batched).abs().max()),
+            "margin": float(top.values[0] - top.values[1]), "gap_moved": abs(float(moved - solo[a] + solo[b])),
+            "flipped": int(solo.argmax()) != int(batched.argmax())}  # fmt: skip
+
+
+def measure_logits(trial: Trial) -> list[dict[str, Any]]:
+    """Probes decoded alone, and inside batches of every size (probes first, other prompts as
+    neighbours), every run on its own blocks; probes are fed their solo run's tokens, neighbours
+    their own greedy ones. Step 0 is the prefill (alone, or packed with the batch's prompts)."""
+    import torch
+
     with torch.inference_mode():
-        out = loaded.model(input_ids=torch.tensor([ids]))
-    return out.logits[0, -1].float()
+        kept = decode_runs(trial)
+    trial.keep("tokens", kept)
+    return logit_rows(pd.DataFrame(kept))
 
 
-def _with_mode(streams: pd.DataFrame) -> pd.DataFrame:
-    """Tables from before the counterfactual had one mode, the invariant one."""
-    return streams if "mode" in streams else streams.assign(mode="invariant")
+def decode_runs(trial: Trial) -> list[dict[str, Any]]:
+    from labkit.engine.cache import BlockManager
+    from labkit.engine.runner import ModelRunner
+
+    s, loaded = trial.sizes, trial.target.loaded  # type: ignore[attr-defined]
+    prompts = prompt_ids(loaded.tokenizer, max(s.batches))
+    probes = range(min(s.probes, max(s.batches)))
+    rows = [*probes, *(r for b in s.batches for r in range(b))]  # every run's rows, each on its own blocks
+    need = sum(-(-(len(prompts[r]) + s.tokens) // 16) for r in rows)
+    blocks = BlockManager(need, 16)
+    runner = ModelRunner(loaded, num_blocks=need, block_size=16, dtype=trial.dtype,
+                         batch_invariant=trial.mode == "invariant")  # fmt: skip
+    table = {(b, r): blocks.allocate((b, r), len(prompts[r]) + s.tokens) for b in s.batches for r in range(b)}
+    table.update({("solo", r): blocks.allocate(("solo", r), len(prompts[r]) + s.tokens) for r in probes})
+    solo = [runner.prefill(prompts[r], table["solo", r]) for r in probes]
+    path = [[int(x.argmax())] for x in solo]
+    own = {b: runner.prefill_many(prompts[:b], [table[b, r] for r in range(b)]) for b in s.batches}
+    kept = []
+    for step in range(s.tokens):
+        if step:
+            solo = [runner.decode([path[r][-1]], [len(prompts[r]) + step - 1], [table["solo", r]])[0] for r in probes]
+            for r, x in zip(probes, solo):
+                path[r].append(int(x.argmax()))
+        for b in s.batches:
+            if step:
+                fed = [path[r][step - 1] if r in probes else int(own[b][r].argmax()) for r in range(b)]
+                own[b] = runner.decode(fed, [len(prompts[r]) + step - 1 for r in range(b)], [table[b, r] for r in range(b)])  # fmt: skip
+            kept += [{"batch": b, "probe": r, "step": step, **compare(solo[r], own[b][r])} for r in probes if r < b]
+    return kept
 
 
-def levels_table(streams: pd.DataFrame) -> pd.DataFrame:
-    """Per mode and level: streams compared, how many were identical, and where the first differed."""
-    grouped = _with_mode(streams).groupby(["mode", "level"], sort=False)
-    table = pd.DataFrame(
-        {
-            "streams": grouped.size(),
-            "identical": grouped.identical.sum().astype(int),
-            "min_first_diff": grouped.first_diff.min(),
-            "min_abs_margin": grouped.margin.apply(lambda m: m.abs().min()),
-        }
-    ).reset_index()
-    return table
-
-
-def divergences(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """One row per stream that left its solo run: where (token index), when (engine step) and by what margin."""
-    streams = _with_mode(tables["streams"])
-    columns = [
-        "mode",
-        "level",
-        "repetition",
-        "prompt",
-        "first_diff",
-        "admitted_step",
-        "diverged_step",
-        "solo_token",
-        "concurrent_token",
-        "margin",
-        "top2_margin",
-    ]
-    return streams.loc[~streams.identical, [c for c in columns if c in streams]].reset_index(drop=True)
-
-
-def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
-    streams = _with_mode(tables["streams"])
-    out: dict[str, Any] = {}
-    for mode, group in streams.groupby("mode", sort=False):
-        out[mode] = {
-            "streams": len(group),
-            "identical": int(group.identical.sum()),
-            "differing": int((~group.identical).sum()),
-            "first_diff_min": None if group.first_diff.isna().all() else int(group.first_diff.min()),
-        }
+def logit_rows(tokens: pd.DataFrame) -> list[dict[str, Any]]:
+    """Per batch size: rows compared, how many differ in bits, the largest |Δ|, the first step with
+    a difference, greedy flips, and the flip rate these differences imply (:func:`flip_rate`)."""
+    out = []
+    for b, g in tokens.groupby("batch"):
+        out.append({"batch": b, "rows": len(g), "differ": int(g.differs.sum()), "share": float(g.differs.mean()),
+                    "max_delta": float(g.delta.max()), "first_step": g.step[g.differs].min() if g.differs.any() else None,
+                    "flips": int(g.flipped.sum()), "min_margin": float(g.margin.min()),
+                    "flips_per_1000": 1000 * flip_rate(g.margin, g.gap_moved)})  # fmt: skip
     return out
 
 
-def report(tables: dict[str, pd.DataFrame]) -> str:
-    """Stable text for any profile when the property holds (the invariant mode, the engine's
-    default); the count only when it does not. The plain mode's count is data, not a check."""
-    s = summary(tables).get("invariant", {"streams": 0, "differing": 0})
-    if s["differing"] == 0:
-        return "every concurrent stream had token ids identical to its solo run"
-    return f"{s['differing']} of {s['streams']} concurrent streams differed from their solo run"
+def flip_rate(margins: pd.Series, moved: pd.Series) -> float:
+    """The chance that a token flips, were margins and moves independent: half the share of
+    (margin, move) pairs in which the move beats the margin (half the moves go the leader's way).
+    It says how many tokens a comparison of greedy tokens needs to expect one flip."""
+    m = np.sort(margins.to_numpy())
+    return float(0.5 * np.searchsorted(m, moved.to_numpy(), side="left").sum() / max(1, len(m) * len(moved)))
 
 
-def verdicts(tables: dict[str, pd.DataFrame]) -> list[Verdict]:
-    """The hypotheses of notebook 02, each judged against its falsification criterion."""
-    streams = _with_mode(tables["streams"])
-    inv, plain = (streams[streams["mode"] == m] for m in ("invariant", "plain"))
-    alone = streams[streams.level == 1]
-
-    def differ(group: pd.DataFrame) -> str:
-        return f"{int((~group.identical).sum())} of {len(group)} streams differed"
-
-    out = [
-        Verdict(
-            "invariant_equals_solo",
-            "with batch_invariant=True every concurrent stream equals its solo run",
-            "any concurrent stream's token ids differ from its solo run's",
-            bool(len(inv)) and bool(inv.identical.all()),
-            differ(inv),
-        ),
-        Verdict(
-            "alone_equals_solo",
-            "a stream served alone (level 1) repeats its solo run in either mode: the engine is deterministic",
-            "any level-1 stream differs from its solo run",
-            bool(len(alone)) and bool(alone.identical.all()),
-            differ(alone),
-        ),
-    ]
-    if len(plain):
-        diverged = plain[~plain.identical]
-        where = span(diverged.first_diff, "{:.0f}") if len(diverged) else "none"
-        out.append(
-            Verdict(
-                "plain_diverges",
-                "with batch_invariant=False some concurrent stream leaves its solo run",
-                "no stream in the plain mode differs from its solo run",
-                bool(len(diverged)),
-                f"{differ(plain)}; first divergence at token {where}",
-            )
-        )
+def logit_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
+    """Invariance is checked in float32, the fixed-order kernel's precision; in bfloat16 it rests on
+    library calls probed at start-up, so there it is a reading, as is the plain mode everywhere."""
+    rows = tables["rows"]
+    alone = rows[rows.batch == 1]
+    out = [judge("alone repeats itself", "a row decoded alone twice has the same logits, bit for bit, in every "
+                 "mode and precision", "any bit differs", bool(len(alone)) and int(alone["differ"].sum()) == 0,
+                 f"{int(alone['differ'].sum())} of {int(alone['rows'].sum())} rows differ", checked=True)]  # fmt: skip
+    for (dtype, mode), g in rows[rows.batch > 1].groupby(["dtype", "mode"], sort=False):
+        evidence = "; ".join(f"B={r.batch}: {r.differ} of {r.rows} rows, max |Δ| {r.max_delta:.2g}" for r in g.itertuples())  # fmt: skip
+        if mode == "invariant":
+            out.append(judge(f"invariant ({dtype}): bitwise identical", "with batch_invariant on, a row's logits in "
+                             "any batch are bitwise its solo logits, at every step", "any row differs in any bit",
+                             int(g["differ"].sum()) == 0, evidence, checked=dtype == "float32"))  # fmt: skip
+        else:
+            out.append(judge(f"plain ({dtype}): batched logits differ in bits", "with batch_invariant off, some row's "
+                             "logits in a batch differ from its solo logits", "no row differs in any bit at any batch",
+                             bool(g["differ"].sum() > 0), evidence))  # fmt: skip
     return out
 
 
-def findings(tables: dict[str, pd.DataFrame]) -> str:
-    """The counterfactual in a few sentences, from this run's numbers."""
-    said = []
-    for mode, s in summary(tables).items():
-        setting = MODES.get(mode)
-        said.append(
-            f"batch_invariant={setting}: {s['differing']} of {s['streams']} concurrent streams differed from their solo run"
-            + (f", the earliest at token {s['first_diff_min']}" if s["first_diff_min"] is not None else "")
-            + "."
-        )
-    div = divergences(tables)
-    if len(div) and div.margin.notna().any():
-        said.append(
-            "Where they split, the reference model's best two tokens were "
-            f"{span(div.top2_margin.abs(), '{:.3f}')} logits apart, and the two runs' tokens "
-            f"{span(div.margin.abs(), '{:.3f}')} logits apart."
-        )
-    return " ".join(said)
-
-
-def plot(tables: dict[str, pd.DataFrame]) -> list:
-    """Per stream, the token where it first left its solo run (identical streams sit on the top
-    line), for each mode; and the share of streams that differed, per level and mode."""
+def logit_plots(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
     from labkit.plots import new_figure
 
-    streams = _with_mode(tables["streams"])
-    fig, (left, right) = new_figure("isolation_divergence", ncols=2)
-    top = int(streams.tokens.max()) if len(streams) else 1
-    levels = sorted(streams.level.unique())
-    for k, (mode, group) in enumerate(streams.groupby("mode", sort=False)):
-        x = group.level.map(levels.index) + (k - 0.5) * 0.3 + (group.prompt % 7 - 3) * 0.02
-        y = group.first_diff.fillna(top)
-        left.scatter(x, y, s=14, alpha=0.6, label=f"batch_invariant={MODES.get(mode, mode)}")
-        share = group.groupby("level").identical.apply(lambda s: 1 - s.mean()).reindex(levels)
-        right.plot([str(v) for v in levels], share, "o-", label=f"batch_invariant={MODES.get(mode, mode)}")
-    left.axhline(top, color="gray", lw=0.8, ls=":")
-    left.set_ylim(-0.5, top + 1.5)
-    left.set(
-        xticks=range(len(levels)),
-        xticklabels=[str(v) for v in levels],
-        xlabel="concurrent streams",
-        ylabel="first token that differs from the solo run",
-        title=f"First divergence per stream (top line: identical, {top} tokens)",
-    )
-    left.legend(fontsize="small")
-    right.set(
-        ylim=(-0.05, 1.05),
-        xlabel="concurrent streams",
-        ylabel="share of streams that differed",
-        title="Streams that left their solo run",
-    )
-    right.legend(fontsize="small")
+    rows, tokens = tables["rows"], tables["tokens"]
+    fig, (left, right) = new_figure("isolation_logits", ncols=2)
+    for (dtype, mode), g in rows.groupby(["dtype", "mode"], sort=False):
+        left.plot(g.batch.astype(str), g.share, "o-", label=f"{mode}, {dtype}")
+    left.set(ylim=(-0.05, 1.05), xlabel="rows in the batch", ylabel="share of rows whose logits differ",
+             title="Logits against the solo run, bit for bit")  # fmt: skip
+    moved = tokens[(tokens.batch > 1) & tokens.differs.astype(bool)]
+    for (dtype, mode, flipped), g in moved.groupby(["dtype", "mode", "flipped"]):
+        right.scatter(g.gap_moved.clip(lower=1e-9), g.margin.clip(lower=1e-9), s=30 if flipped else 6,
+                      marker="x" if flipped else ".", label=f"{mode}, {dtype}{': flipped' if flipped else ''}")  # fmt: skip
+    right.axline((1e-9, 1e-9), slope=1, color="gray", lw=0.8, ls=":")  # below it, the move beats the margin
+    right.set(xscale="log", yscale="log", xlabel="how far the batch moved the top-2 gap",
+              ylabel="solo top-2 margin (ties at the bottom)", title="A flip needs the move to beat the margin")  # fmt: skip
+    for ax in (left, right):
+        ax.legend(fontsize="small")
     return [fig]
+
+
+LOGITS = Experiment(
+    name="isolation.logits",
+    title="Logits in a batch against the solo run, bit for bit, in both modes and two precisions",
+    sizes={"full": {"batches": (1, 2, 16, 17, 32), "probes": 8, "tokens": 16, "dtypes": ("float32", "bfloat16")},
+           "ci": {"batches": (1, 2, 16, 17, 32), "probes": 16, "tokens": 40, "dtypes": ("float32", "bfloat16")}},
+    conditions=lambda s, target: [{"dtype": d, "mode": m} for d in s.dtypes for m in MODES],
+    measure=measure_logits,
+    tables=lambda t, s: {"flipped": t["tokens"][t["tokens"].flipped.astype(bool)].reset_index(drop=True)},
+    verdicts=logit_verdicts,
+    plots=logit_plots,
+    needs=("engine",),
+)  # fmt: skip
+
+
+def power(streams: pd.DataFrame, logits: pd.DataFrame) -> pd.DataFrame:
+    """What the token comparison could see: the plain-mode tokens it compared in batches, and the
+    flips that the logits measurement's float32 flip rate (its largest batch) expects among them;
+    where no move beat any margin, by half of three over the margins seen (95%)."""
+    plain = streams[(streams["mode"] == "plain") & (streams.level > 1)]
+    rate = logits[(logits["mode"] == "plain") & (logits.dtype == "float32")].sort_values("batch").iloc[-1]
+    compared, bound = int(plain.tokens.sum()), max(rate.flips_per_1000, 1500 / rate.rows)
+    return pd.DataFrame([{"plain tokens compared over HTTP": compared, "flips per 1000 (logits)": rate.flips_per_1000,
+                          "flips expected, at most": compared * bound / 1000, "flips seen": int((~plain.identical).sum())}])  # fmt: skip
+
+
+SPECS = (STREAMS, LOGITS)

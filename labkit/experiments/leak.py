@@ -1,13 +1,11 @@
-"""Experiment 7, ``leak``: after many clients come and go, is everything given back exactly once?
+"""Notebook 06, part two: after many clients come and go, is everything given back exactly once?
 
-Hundreds of streams, at most 48 open at once, against an engine that runs 8 at a time. A
-fixed, seeded plan: 35% read to the end; half leave after 0 to 40 tokens, by FIN or RST; 15% read
-slowly (a 0.25 s sleep after each read) and leave after 3 or 10 tokens. Then we look at the
-server, not at the responses, through its own books over HTTP (``/stats``, ``/lab/streams``,
-``/lab/integrity``; :mod:`labkit.experiments.servers`): the cache whole, nothing reserved,
-running, waiting or registered in the hub, each stream finished once and each admitted stream
-released once, no error in the hub. And what leaving cost: tokens generated per token read, and the total
-time. Both response classes, on servers that differ in that one setting.
+:data:`PLAN` sends ``streams`` requests, ``concurrency`` at most at once, on a seeded plan:
+``share_full`` read to the end, ``share_early`` leave after ``early_range`` tokens by FIN or RST,
+the rest read slowly and leave after one of ``slow_leave_after``. Then the server's books, not the
+responses: with lab routes the cache check, nothing held or registered, every stream finished and
+every admitted one released once; else ``/stats`` or ``/metrics``, else the CPU or a follow-up's
+pace back to idle (the witness named). And what leaving cost: tokens made per token read, and time.
 """
 
 from __future__ import annotations
@@ -15,367 +13,156 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
-from labkit.experiments.chapter import beside
-from labkit.experiments.chapter_figures import figure
-from labkit.experiments.client import run_sync
-from labkit.experiments.disconnect import CLASSES
-from labkit.experiments.profiles import Profile
-from labkit.experiments.progress import Progress, doing, tick
-from labkit.experiments.rawhttp import raw_stream as read_stream
-from labkit.experiments.readings import Verdict, current_step, fetch_steps
-from labkit.experiments.records import LeaveBy, StreamResult
-from labkit.experiments.servers import (
-    books,
-    loaded_model,
-    release_books,
-    released_records,
-    server_checks,
-    server_like,
-)
-from labkit.experiments.workload import long_prompts, stream_body
+from labkit.experiments import published
+from labkit.experiments.disconnect import CLASSES, WAYS, class_conditions, reading, server, witness_of
+from labkit.lab import Experiment, ReadOptions, Sizes, Target, Trial, interval, judge, spread, tell
+from labkit.lab.client import run_sync
+from labkit.lab.stream import LeaveBy
+from labkit.lab.witness import WaitTimeout, wait_for
+from labkit.prompts import cycle as prompts
 
-NAME = "leak"
+SLACK = 1.25  # a CPU or pace witness is back when within this factor of its idle reading
 
 
-@dataclass(frozen=True)
-class Client:
-    """One client of the plan: how it reads, and when and how it leaves (``None``: never)."""
-
-    index: int
-    kind: str  # "full", "early" or "slow"
-    leave_after: int | None
-    leave_by: LeaveBy
-
-
-@dataclass(frozen=True)
-class Config:
-    model: str = "smollm2-135m"
-    streams: int = 300  # the chapter's (chapter.toml, [leak] streams)
-    concurrency: int = 48
-    max_batch: int = 8
-    max_new_tokens: int = 48
-    share_full: float = 0.35
-    share_early: float = 0.50  # the rest (15%) are slow readers
-    early_range: tuple[int, int] = (0, 40)  # tokens read before leaving, inclusive
-    slow_leave_after: tuple[int, ...] = (3, 10)
-    slow_sleep: float = 0.25
-    response_classes: tuple[str, ...] = CLASSES
-    seed: int = 7
-    timeout: float = 300.0
-
-    @classmethod
-    def for_profile(cls, profile: Profile) -> Config:
-        if profile.full:
-            # The chapter's 300 streams, made short and run many at once so that both classes fit
-            # in about 2 minutes on two cores: 16 tokens each, 32 in the batch (a B=32 step costs
-            # ~140 ms for 32 tokens, against ~85 ms for 8 at B=8). Write-only, the heavier class:
-            # 300 x 16 tokens = 150 full steps (~21 s) plus 300 prefills (~15 s).
-            return cls(
-                model=profile.model,
-                concurrency=64,
-                max_batch=32,
-                max_new_tokens=16,
-                early_range=(0, 12),
-                slow_leave_after=(3, 10),
-            )
-        return cls(
-            model=profile.model,
-            streams=40,
-            concurrency=12,
-            max_batch=4,
-            max_new_tokens=24,
-            early_range=(0, 16),
-            slow_sleep=0.05,
+def plan(s: Sizes) -> list[tuple[str, int | None, LeaveBy]]:
+    """(kind, tokens read before leaving or None, FIN or RST) per client, seeded."""
+    shares = 0 <= s.share_full and 0 <= s.share_early and s.share_full + s.share_early <= 1
+    if not shares or max(s.early_range[1], *s.slow_leave_after) >= s.tokens:
+        raise ValueError(
+            f"leak: shares in [0, 1] summing to at most 1, leaving before tokens={s.tokens}: {s.as_dict()}"
         )
-
-    def __post_init__(self) -> None:
-        if not (0 <= self.share_full and 0 <= self.share_early and self.share_full + self.share_early <= 1):
-            raise ValueError(
-                f"leak.Config shares must be in [0, 1] and sum to <= 1, got {self.share_full!r}, {self.share_early!r}"
-            )
-        if self.early_range[1] >= self.max_new_tokens or max(self.slow_leave_after) >= self.max_new_tokens:
-            raise ValueError(
-                f"leak.Config: clients must leave before max_new_tokens={self.max_new_tokens}, "
-                f"got early_range={self.early_range!r}, slow_leave_after={self.slow_leave_after!r}"
-            )
-        if set(self.response_classes) - set(CLASSES) or self.streams < 1 or self.concurrency < 1:
-            raise ValueError(f"leak.Config: response classes from {CLASSES}, streams and concurrency >= 1")
-
-
-def server_options(config: Config) -> dict[str, Any]:
-    return {"model": config.model, **_settings(config, config.response_classes[0])}
-
-
-def _settings(config: Config, response_class: str) -> dict[str, Any]:
-    return {"max_batch": config.max_batch, "response_class": response_class, "policy": "unbounded", "max_waiting": None}
-
-
-def units(config: Config) -> int:
-    return len(config.response_classes)
-
-
-def plan(config: Config) -> list[Client]:
-    """The same clients in the same order for every response class (seeded)."""
-    rng = random.Random(config.seed)
-    full = round(config.streams * config.share_full)
-    early = round(config.streams * config.share_early)
-    kinds = ["full"] * full + ["early"] * early + ["slow"] * (config.streams - full - early)
+    rng = random.Random(s.seed)
+    full, early = round(s.streams * s.share_full), round(s.streams * s.share_early)
+    kinds = ["full"] * full + ["early"] * early + ["slow"] * (s.streams - full - early)
     rng.shuffle(kinds)
-    clients = []
-    for i, kind in enumerate(kinds):
-        after = {"full": None, "early": rng.randint(*config.early_range), "slow": rng.choice(config.slow_leave_after)}[
-            kind
-        ]
-        clients.append(Client(i, kind, after, rng.choice(("fin", "rst"))))
-    return clients
+    after = {"full": lambda: None, "early": lambda: rng.randint(*s.early_range),
+             "slow": lambda: rng.choice(s.slow_leave_after)}  # fmt: skip
+    return [(kind, after[kind](), rng.choice(WAYS)) for kind in kinds]
 
 
-def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
-    model = loaded_model(server, config.model)
-    prompts = long_prompts(model, config.max_new_tokens)
-    clients = plan(config)
-    rows, outcomes, steps = [], [], []
-    for kind in config.response_classes:
-        with server_like(server, model, **_settings(config, kind)) as srv:
-            before, first_step = books(srv.url), current_step(srv.url)
-            doing(progress, f"{kind}: {len(clients)} streams, {config.concurrency} at a time")
-            t0 = time.perf_counter()
-            results = run_sync(run_clients(srv.url, config, clients, prompts))
-            records = run_sync(released_records(srv.url, [r.request_id for r in results], timeout=config.timeout))
-            elapsed = time.perf_counter() - t0  # until the engine let go of the last stream, zombies included
-            rows += [stream_row(kind, c, r, rec) for c, r, rec in zip(clients, results, records)]
-            mine = fetch_steps(srv.url, since=first_step).assign(response_class=kind)
-            steps.append(mine)
-            outcomes.append(
-                {
-                    "response_class": kind,
-                    "total_s": elapsed,
-                    "busy_steps": int(((mine.decoded > 0) | (mine.prefilled > 0)).sum()),
-                    **server_checks(srv.url),
-                    **release_books(srv.url, before),
-                }
-            )
-            tick(progress, streams=rows, outcome=outcomes)
-    streams = pd.DataFrame(rows)
-    return {
-        "streams": streams,
-        "outcome": outcome_table(pd.DataFrame(outcomes), streams),
-        "steps": pd.concat(steps, ignore_index=True),
-    }
+async def clients(target: Target, s: Sizes) -> list[Any]:
+    gate, texts = asyncio.Semaphore(s.concurrency), prompts(s.streams)
 
-
-async def run_clients(url: str, config: Config, clients: list[Client], prompts: list[int]) -> list[StreamResult]:
-    """Every client of the plan, at most ``concurrency`` connected at once."""
-    gate = asyncio.Semaphore(config.concurrency)
-
-    async def one(client: Client) -> StreamResult:
-        body = stream_body(prompts[client.index % len(prompts)], config.max_new_tokens)
+    async def one(i: int, kind: str, after: int | None, how: LeaveBy) -> Any:
+        opts = ReadOptions(pace=s.slow_pace_s if kind == "slow" else 0.0, leave_after_tokens=after, leave_by=how,
+                           drain_after_fin_s=0.5, timeout=s.timeout)  # fmt: skip
         async with gate:
-            return await read_stream(
-                url,
-                body,
-                sleep=config.slow_sleep if client.kind == "slow" else 0.0,
-                leave_after_tokens=client.leave_after,
-                leave_by=client.leave_by,
-                leave_after_s=config.timeout,
-            )
+            return await target.stream(target.request(texts[i], s.tokens), opts, raw=True)
 
-    return list(await asyncio.gather(*(one(c) for c in clients)))
+    return list(await asyncio.gather(*(one(i, *c) for i, c in enumerate(plan(s)))))
 
 
-def stream_row(kind: str, client: Client, r: StreamResult, rec: Any) -> dict[str, Any]:
-    return {
-        "response_class": kind,
-        "client": client.index,
-        "kind": client.kind,
-        "leave_after": client.leave_after,
-        "leave_by": client.leave_by if client.leave_after is not None else None,
-        "tokens_read": len(r.tokens),
-        "tokens_generated": getattr(rec, "tokens_generated", 0),
-        "engine_finish": getattr(rec, "finish_reason", None),
-        "left": r.left is not None,
-        "cut": r.left is None and r.terminal is None,
-        "error": r.error,
-    }
+def measure(trial: Trial) -> dict[str, Any]:
+    target, s = trial.target, trial.sizes
+    witness = "books" if target.caps.lab else witness_of(target)
+    before = target.stats() if target.caps.stats else {}
+    idle = reading(target, witness, s.window_s, s.follow_tokens) if witness in ("cpu", "follow-up") else np.nan
+    clock, t0 = target.clock() if target.caps.lab else None, time.perf_counter()
+    streams = run_sync(clients(target, s))
+    left = [x.left is not None for x in streams]
+    read = np.array([x.tokens for x in streams])
+    row = {"streams": len(streams), "left_early": sum(left), "tokens_read": int(read.sum()),
+           "client_errors": sum(1 for x in streams if x.failure), "witness": witness,
+           "total_s": max(x.ended or np.nan for x in streams) - t0}  # fmt: skip
+    if clock is not None:
+        records = target.released([x.request_id for x in streams], timeout=s.timeout)
+        made = np.array([(r or {}).get("tokens_generated", 0) for r in records])
+        row["total_s"] = max(row["total_s"], max((r or {}).get("released") or t0 for r in records) - t0)  # zombies too
+        row.update(tokens_generated=int(made.sum()), generated_per_read=made.sum() / max(1, read.sum()),
+                   generated_per_read_leavers=made[left].sum() / max(1, read[left].sum()))  # fmt: skip
+    return {**row, **books(target, witness, before, idle, clock, s)}
 
 
-def outcome_table(outcomes: pd.DataFrame, streams: pd.DataFrame) -> pd.DataFrame:
-    """Per response class: the books afterwards, and tokens generated per token read."""
-    rows = []
-    for _, row in outcomes.iterrows():
-        mine = streams[streams.response_class == row.response_class]
-        gone = mine[mine.left]
-        rows.append(
-            {
-                **row.to_dict(),
-                "streams": len(mine),
-                "left_early": len(gone),
-                "cut": int(mine.cut.sum()),
-                "client_errors": int(mine.error.notna().sum()),
-                "generated_per_read": mine.tokens_generated.sum() / max(1, mine.tokens_read.sum()),
-                "generated_per_read_leavers": gone.tokens_generated.sum() / max(1, gone.tokens_read.sum()),
-            }
-        )
-    return pd.DataFrame(rows)
-
-
-def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
-    out = tables["outcome"].set_index("response_class")
-    return {
-        kind: {
-            "total_s": float(row.total_s),
-            "generated_per_read_leavers": float(row.generated_per_read_leavers),
-            "cache_whole": bool(row.cache_whole),
-            "late_events": int(row.late_events),
-        }
-        for kind, row in out.iterrows()
-    }
-
-
-def beside_chapter(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    out = tables["outcome"].set_index("response_class")
-    listen, write = out.loc["starlette"], out.loc["write_only"]
-    clean = bool(out.cache_whole.all() and (out.releases == out.admitted).all() and (out.open_streams == 0).all())
-    return beside(
-        [
-            ("streams per response class", figure("leak", "streams"), f"{int(listen.streams)}", "streams"),
-            ("left before the end", figure("leak", "left_early"), f"{int(listen.left_early)}", "streams"),
-            ("blocks leaked, either class", figure("leak", "blocks_leaked"), "none" if clean else "SOME", ""),
-            (
-                "tokens generated per token read, leavers: Starlette / write-only",
-                figure("leak", "generated_per_read"),
-                f"{listen.generated_per_read_leavers:.1f} / {write.generated_per_read_leavers:.1f}",
-                "tokens",
-            ),
-            (
-                "write-only total time against Starlette's",
-                figure("leak", "write_only_extra_time"),
-                f"{100 * (write.total_s / listen.total_s - 1):+.0f}%",
-                "",
-            ),
-            (
-                "late events dropped, Starlette's run",
-                figure("leak", "late_events"),
-                f"{int(listen.late_events)}",
-                "events",
-            ),
-        ]
-    )
-
-
-def findings(tables: dict[str, pd.DataFrame]) -> str:
-    """A few plain sentences from this run's numbers."""
-    out = tables["outcome"].set_index("response_class")
-    said = [
-        f"{kind.replace('_', '-')}: {int(row.left_early)} of {int(row.streams)} clients left early; the engine "
-        f"generated {row.generated_per_read_leavers:.1f} tokens for every token they read, and the whole plan "
-        f"took {row.total_s:.1f} s"
-        + (f" ({int(row.busy_steps)} engine steps)." if "busy_steps" in row and pd.notna(row.busy_steps) else ".")
-        for kind, row in out.iterrows()
-    ]
-    if {"starlette", "write_only"} <= set(out.index):
-        extra = out.loc["write_only", "total_s"] / out.loc["starlette", "total_s"] - 1
-        left = (
-            "neither class left a block, a stream or a reservation behind"
-            if out.cache_whole.all()
-            else "something was left behind: see the checked cell above"
-        )
-        said.append(
-            f"Not listening cost {100 * extra:+.0f}% in time (one run of each class: read the steps "
-            f"beside the seconds); {left}."
-        )
-    return " ".join(said)
-
-
-def verdicts(tables: dict[str, pd.DataFrame]) -> list[Verdict]:
-    """The hypotheses of the leak half of notebook 06, judged against their criteria."""
-    lines = report(tables).splitlines()
-    failed = [line for line in lines if "FAILED" in line]
-    out = tables["outcome"].set_index("response_class")
-    verdicts = [
-        Verdict(
-            "nothing_leaks",
-            "after every client of the plan has come and gone, either response class gives back every "
-            "block, reservation and stream exactly once",
-            "any check of the books fails for either class (cache, reservations, streams, finishes, releases, errors)",
-            bool(lines) and not failed,
-            "; ".join(failed) if failed else f"{len(lines)} classes, every check passed",
-        )
-    ]
-    if {"starlette", "write_only"} <= set(out.index):
-        listen, write = out.loc["starlette"], out.loc["write_only"]
-        verdicts.append(
-            Verdict(
-                "listening_saves_work",
-                "a response that listens for the disconnect generates fewer tokens per token its leavers read",
-                "Starlette's class generates at least as many tokens per token read by leavers as the write-only class",
-                bool(listen.generated_per_read_leavers < write.generated_per_read_leavers),
-                f"{listen.generated_per_read_leavers:.2f} against {write.generated_per_read_leavers:.2f} tokens per token read",
-            )
-        )
-    return verdicts
-
-
-CHECKED = ("nothing_leaks",)
-
-
-def report(tables: dict[str, pd.DataFrame]) -> str:
-    """Stable lines for a checked cell: the leak invariants per response class."""
-    lines = []
-    for _, row in tables["outcome"].iterrows():
-        ok = {
-            "cache whole": bool(row.cache_whole),
-            "nothing reserved": row.held_blocks == 0,
-            "nothing running or waiting": row.running == 0 and row.waiting == 0,
-            "no stream registered": row.open_streams == 0,
-            "each stream finished once": row.finished == row.streams,
-            "one release per admitted stream": row.releases == row.admitted,
-            "no hub error": row.hub_errors == 0,
-            "no stream cut short": row.cut == 0,
-            "no client error": row.client_errors == 0,
-        }
-        failed = [name for name, good in ok.items() if not good]
-        lines.append(f"{row.response_class}: " + ("; ".join(ok) if not failed else "FAILED: " + "; ".join(failed)))
-    return "\n".join(lines)
-
-
-def plot(tables: dict[str, pd.DataFrame]) -> list:
-    """Left: per client that left, tokens read against tokens generated. Right: the engine's batch
-    over the run in steps (sequences decoded per step, from the step log), one line per response
-    class: what the zombies of the write-only class occupy, and for how many steps."""
-    from labkit.plots import new_figure
-
-    streams = tables["streams"]
-    fig, (left, right) = new_figure("leak_work", ncols=2)
-    for kind, group in streams[streams.left].groupby("response_class", sort=False):
-        left.scatter(group.tokens_read, group.tokens_generated, s=10, alpha=0.6, label=kind.replace("_", "-"))
-    left.set(
-        xlabel="tokens the client read before leaving",
-        ylabel="tokens the engine generated",
-        title="Clients that left early",
-    )
-    left.legend()
-    steps = tables.get("steps")
-    if steps is None or steps.empty:
-        right.text(0.5, 0.5, "no step log in this run", ha="center", va="center", transform=right.transAxes)
+def books(target: Target, witness: str, before: dict, idle: float, clock: float | None, s: Sizes) -> dict[str, Any]:
+    """What the server's own books say once it is idle, as checks that pass or name what failed."""
+    extra: dict[str, Any] = {}
+    if witness == "books":
+        b, now, runs = target.idle_books(), target.stats(), target.records_since(clock or 0.0)
+        delta = {k: now[k] - before[k] for k in ("releases", "late_events", "errors")}
+        finished = sum(now["finishes"].values()) - sum(before["finishes"].values())
+        admitted = sum(r["first_token_sampled"] is not None for r in runs)
+        extra = {"late_events": delta["late_events"], "admitted": admitted}
+        checks = {"cache whole": b["cache_whole"], "nothing held": b["held_blocks"] == 0, "nothing running or waiting":
+                  b["running"] == b["waiting"] == 0, "no stream registered": b["open_streams"] == 0,
+                  "each stream finished once": finished == len(runs), "one release per admitted stream":
+                  delta["releases"] == admitted, "no hub error": delta["errors"] == 0}  # fmt: skip
+    elif witness == "stats":
+        _bounded(lambda: (st := target.stats())["running"] == st["waiting"] == st["open_streams"] == 0, s.timeout)
+        st = target.stats()
+        checks = {"nothing running or waiting": st["running"] == st["waiting"] == 0,
+                  "no stream registered": st["open_streams"] == 0, "nothing held": st["held_blocks"] == 0}  # fmt: skip
     else:
-        for kind, group in steps.groupby("response_class", sort=False):
-            right.plot(
-                group.step - group.step.min(),
-                group.decoded.rolling(10, min_periods=1).mean(),
-                lw=1.2,
-                label=kind.replace("_", "-"),
-            )
-    right.set(
-        xlabel="engine steps since the class's first",
-        ylabel="sequences decoded per step (mean of 10)",
-        title="The batch over the plan",
-    )
-    if right.lines:
-        right.legend()
-    return [fig]
+        if witness == "metrics":
+            _bounded(lambda: reading(target, witness, 0, 0) == 0, s.timeout)
+        else:
+            time.sleep(s.window_s)  # the last closes land
+        after = reading(target, witness, s.window_s, s.follow_tokens)
+        back = after == 0 if witness == "metrics" else after <= SLACK * idle + (0.05 if witness == "cpu" else 0.0)
+        checks, extra = {f"{witness} back to idle": bool(back)}, {"idle": idle, "after": after}
+    failed = [name for name, ok in checks.items() if not ok]
+    return {"books_ok": not failed, "books": "; ".join(failed) or f"{len(checks)} checks passed", **extra}
+
+
+def _bounded(check: Any, timeout: float) -> Any:
+    """``check()`` once true, within ``timeout``; else None (what the books then say is the finding)."""
+    try:
+        return wait_for(check, timeout=timeout, what="an idle server")
+    except WaitTimeout:
+        return None
+
+
+def tables(t: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
+    cols = ["total_s", "generated_per_read_leavers", "generated_per_read", "left_early", "tokens_read", "late_events"]
+    return {"outcome": spread(t["rows"], "response_class", [c for c in cols if c in t["rows"]])}
+
+
+def verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
+    rows = t["rows"]
+    bad = rows[~rows.books_ok | (rows.client_errors > 0)]
+    out = [judge("nothing leaks", "after every client has come and gone the server's books are back where they "
+                 "started: every block, reservation and stream given back exactly once", "any check fails in any run, "
+                 "or any client saw an error", bad.empty, "; ".join(f"{r.response_class} run {r.repetition}: {r.books}"
+                 for r in bad.itertuples()) or f"{len(rows)} runs, witness: {', '.join(rows.witness.unique())}",
+                 checked=True)]  # fmt: skip
+    if set(rows.response_class) >= {"starlette", "write_only"}:
+        by = rows.pivot_table(index="repetition", columns="response_class", values="generated_per_read_leavers")
+        out.append(judge("listening saves work", "a response that listens makes fewer tokens per token its leaving "
+                         "clients read than one that only writes", "in any run, as many or more",
+                         bool((by.starlette < by.write_only).all()), "; ".join(f"run {i}: {r.starlette:.2f} vs "
+                         f"{r.write_only:.2f}" for i, r in by.iterrows()), checked=True))  # fmt: skip
+        times = rows.pivot_table(index="repetition", columns="response_class", values="total_s")
+        decided, text = tell(interval(times.write_only.to_numpy(), others=times.starlette.to_numpy()), 1.0, "above")
+        out.append(judge("not listening costs time", "the write-only class takes longer for the same plan",
+                         "the 95% interval of write-only over Starlette's time lies below 1", decided,
+                         f"ratio {text}"))  # fmt: skip
+    return out
+
+
+PLAN = Experiment(
+    name="leak.plan",
+    title="Many clients leaving every way a client can, then the server's books",
+    sizes={"full": {"classes": CLASSES, "streams": 60, "concurrency": 48, "max_batch": 8, "tokens": 44,
+                    "share_full": 0.35, "share_early": 0.5, "early_range": (0, 40), "slow_leave_after": (3, 10),
+                    "slow_pace_s": 0.25, "window_s": 1.0, "follow_tokens": 12, "seed": 7, "timeout": 300.0,
+                    "repetitions": 3},
+           "ci": {"classes": CLASSES, "streams": 40, "concurrency": 12, "max_batch": 4, "tokens": 48,
+                  "share_full": 0.35, "share_early": 0.5, "early_range": (0, 40), "slow_leave_after": (3, 10),
+                  "slow_pace_s": 0.05, "window_s": 0.5, "follow_tokens": 8, "seed": 7, "timeout": 120.0,
+                  "repetitions": 3}},
+    conditions=lambda s, target: class_conditions(s, target),
+    server=lambda s, c: {**server(s, c), "max_waiting": None},
+    measure=measure,
+    tables=tables,
+    verdicts=verdicts,
+    chapter={"streams": (int(published("leak")["streams"]), "three runs of each class (an interval for the time) "
+                         "within the notebook's time"),
+             "tokens": ("not stated", "each stream's limit; the early leavers leave within it"),
+             "repetitions": (1, "interleaved runs give the time comparison an interval")},
+)  # fmt: skip
+
+SPECS = (PLAN,)

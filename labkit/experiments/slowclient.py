@@ -1,536 +1,237 @@
-"""Experiment 5, ``slowclient``: who pays when a reader cannot keep up?
+"""Notebook 05, slow clients: who pays when a reader cannot keep up?
 
-N streams of a fixed number of tokens (``ignore_eos``: every stream makes exactly that many),
-every token event padded with an SSE comment (a laboratory device that makes a stream long
-enough to fill the buffers between server and client; real token events are far smaller). In a
-run, k of the readers (0 or 1) are slow; each hub policy has its own server, all started once on
-one loaded model, and the runs go (policy, k) by (policy, k), repetition after repetition
-(``readings.interleaved``), so every policy is compared with its own k = 0 runs made in between.
+:data:`POLICIES` runs ``streams`` streams of ``tokens`` tokens at once; the first k readers
+(``slow_counts``) read slowly, the rest at once. Against labkit every token event carries an SSE
+comment of ``pad_bytes`` (a lab device: ordinary events fit the buffers between server and
+client, notebook 04) and every hub policy has its own server, its ``sndbuf`` capped so Linux's
+autotuning does not hide the backlog; any other target is measured as it is, one condition: its
+own policy. Conditions run policy by policy, k = 0 first, repetition after repetition, so each
+policy is compared with its own k = 0 runs.
 
-"Slow" is a fraction of what the same server writes. A first run with nobody slow (a warm-up,
-not counted) measures the rate a reader that keeps up is written to; the slow reader then takes
-``slow_fraction`` of that per second (``read_bytes`` per read, then ``slow_sleep``). Each run
-records the rate the slow reader actually read at; divided by its policy's k = 0 write rate
-(the median over those runs) it is the achieved ratio, which must stay at most 0.5.
-
-The hub acts on its queue, after the kernel's buffers are full: ``pause`` when a stream is
-``high_water`` events behind, ``drop`` when it stays that far behind for ``stall_timeout``,
-``pause_then_drop`` when it stays paused that long (``labkit.hub.policies``). The server's
-``SO_SNDBUF`` is capped (Linux would otherwise grow it to hold a whole stream), and the sizes are
-chosen so that a reader at a tenth of the write rate falls that far behind, and stays paused past
-the stall timeout, well before its stream ends: a stream is ``max_new_tokens`` events, the
-buffers hold about a dozen.
-
-Healthy completion is read in seconds (from the launch, the last healthy reader's end) and in
-steps (the engine step whose events released the last healthy sequence, counted from the run's
-first step, from the server's own records over HTTP). A slow reader leaves (RST) ``linger``
-seconds after the last healthy reader ended; by then its policy has done what it does.
+"Slow" is relative to the target: a slow reader takes ``slow_fraction`` of the rate its
+policy's k = 0 run just before was written at (one read of the bytes that allows, then
+``slow_pace_s``). It reads until its stream's end or its ``error`` event, never leaving early
+(``slow_timeout_s`` bounds it); what it read per read and its rate are measured, not assumed.
+The stall timeout is ``stall_steps`` of a warm-up's step interval, so a policy drops at the same
+point of a stream on a faster or slower engine.
 """
 
 from __future__ import annotations
 
-import time
-from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from labkit.experiments.chapter import beside
-from labkit.experiments.chapter_figures import NO_FIGURE, figure
-from labkit.experiments.client import run_sync
-from labkit.experiments.profiles import Profile
-from labkit.experiments.progress import Progress, doing, tick
-from labkit.experiments.readings import Verdict, current_step, fetch_steps, interleaved, span, spread
-from labkit.experiments.saturation import Saturation
-from labkit.experiments.servers import loaded_model, server_checks, server_like
-from labkit.experiments.slowreaders import Pace, launch, read_rate, records, stats
-from labkit.experiments.workload import bodies
-from labkit.hub import POLICIES
-from labkit.prompts import PROMPTS
+from labkit.experiments import published
+from labkit.hub import POLICIES as HUB_POLICIES
+from labkit.lab import Experiment, ReadOptions, Sizes, Stream, Target, Trial, interval, judge, span, spread, tell
+from labkit.lab.client import percentile as pct
+from labkit.prompts import cycle as prompts
 
-NAME = "slowclient"
-ISOLATION_LIMIT = 1.25  # a policy isolates when healthy completion at k=1 stays within this of k=0
-DELAY_LIMIT = 1.5  # naive delays when healthy completion at k=1 is at least this times k=0
-MAX_RATIO = 0.5  # a slow reader reads at most this share of what the server writes
+OWN = "the server's own"
+MAX_RATIO = 0.5  # a slow reader reads at most this share of what its server writes
+DELAYS, ISOLATES = 1.5, 1.25  # healthy completion at k > 0 over k = 0: naive at least, queues at most
 
 
-@dataclass(frozen=True)
-class Config:
-    model: str = "smollm2-135m"
-    streams: int = 6  # the chapter ran 8; 6 keeps the full run within its time budget
-    max_new_tokens: int = 48
-    pad_bytes: int = 16 * 1024
-    slow_counts: tuple[int, ...] = (0, 1)
-    policies: tuple[str, ...] = POLICIES
-    repetitions: int = 3
-    slow_fraction: float = 0.1  # the slow reader's pace, as a share of the measured write rate
-    slow_sleep: float = 0.1  # seconds a slow reader sleeps after each read
-    read_bytes: int = 64 * 1024  # the most one read takes off the socket (slow: set by the pace)
-    server_sndbuf: int | None = 16 * 1024  # the server's SO_SNDBUF; None: Linux autotunes it
-    high_water: int = 8
-    stall_timeout: float = 0.25
-    linger: float = 0.5  # seconds a slow reader reads on after the last healthy one ended
-    kv_cache_mb: int = 64  # per server: five run at once on one model
-    read_timeout: float = 120.0  # a reader leaves (RST) after this long, whatever it has read
-    # a full batch (used by notebook 07's saturation runs)
-    saturation_batch: int = 4
-    saturation_slow: int = 2
-    saturation_fast: int = 4
-    saturation_tokens: int = 16  # per fast request; slow ones ask for max_new_tokens
-
-    @classmethod
-    def for_profile(cls, profile: Profile) -> Config:
-        if profile.full:
-            return cls(model=profile.model)
-        # four streams, short sleeps: the tiny model writes fast, and the pace follows it
-        # (and a stream long enough that a slow reader falls behind well before its end)
-        # high_water 32 and a 0.1 s stall timeout: pause_then_drop's pause (16 events taken off at
-        # the slow pace) lasted 0.6-1 s; drop's timer runs from the mark until the slow stream's
-        # last token is made (0.25-0.4 s here, shorter on a faster engine). At 8 and 0.25 s, a
-        # 2.5x longer timeout (a faster writer's shorter pause) saw neither policy drop, 0 of 3
-        return cls(
-            model=profile.model, streams=4, max_new_tokens=128, slow_sleep=0.02, read_timeout=60.0, saturation_fast=3,
-            high_water=32, stall_timeout=0.1,
-        )  # fmt: skip
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.streams <= len(PROMPTS) or max(self.slow_counts, default=0) >= self.streams:
-            raise ValueError(
-                f"slowclient.Config: need slow counts < streams <= {len(PROMPTS)}, "
-                f"got streams={self.streams!r}, slow_counts={self.slow_counts!r}"
-            )
-        if 0 not in self.slow_counts:
-            raise ValueError(f"slowclient.Config.slow_counts must include 0 (the baseline), got {self.slow_counts!r}")
-        if set(self.policies) - set(POLICIES):
-            raise ValueError(f"slowclient.Config.policies must come from {POLICIES}, got {self.policies!r}")
-        if not 0 < self.slow_fraction <= MAX_RATIO:
-            raise ValueError(f"slowclient.Config.slow_fraction must be in (0, {MAX_RATIO}], got {self.slow_fraction!r}")
-        if self.slow_sleep <= 0 or self.read_bytes < 1 or self.read_timeout <= 0 or self.repetitions < 1:
-            raise ValueError(
-                "slowclient.Config: need slow_sleep > 0, read_bytes >= 1, read_timeout > 0, repetitions >= 1"
-            )
-        if self.saturation_slow >= self.saturation_batch:
-            raise ValueError(
-                f"slowclient.Config.saturation_slow must be < saturation_batch, got {self.saturation_slow!r}"
-            )
+def settings(s: Sizes, policy: str, stall_s: float | None = None) -> dict[str, Any]:
+    out = {"policy": policy, "pad_bytes": s.pad_bytes, "high_water": s.high_water, "max_batch": s.streams,
+           "sndbuf": s.sndbuf, "kv_cache_mb": 64}  # fmt: skip
+    return out if stall_s is None else {**out, "stall_timeout": round(stall_s, 4)}
 
 
-def server_options(config: Config) -> dict[str, Any]:
-    """The first policy's server, as ``run`` would start it (for a notebook to start it itself)."""
-    return {"model": config.model, **server_settings(config, config.policies[0])}
+def conditions(s: Sizes, target: Target) -> list[dict[str, Any]]:
+    if max(s.slow_counts) >= s.streams or 0 not in s.slow_counts or not 0 < s.slow_fraction <= MAX_RATIO:
+        raise ValueError(f"slowclient: need 0 in slow_counts < streams and 0 < slow_fraction <= {MAX_RATIO}: {s}")
+    if set(s.policies) - set(HUB_POLICIES):
+        raise ValueError(f"slowclient: policies must come from {HUB_POLICIES}, got {s.policies}")
+    policies = s.policies if target.caps.settings else (OWN,)
+    return [{"policy": p, "slow": k} for p in policies for k in sorted(s.slow_counts)]
 
 
-def server_settings(config: Config, policy: str, *, max_batch: int | None = None) -> dict[str, Any]:
-    """What a server for ``policy`` is started with."""
-    return {
-        "policy": policy,
-        "pad_bytes": config.pad_bytes,
-        "high_water": config.high_water,
-        "stall_timeout": config.stall_timeout,
-        "max_batch": max_batch or config.streams,
-        "sndbuf": config.server_sndbuf,
-        "kv_cache_mb": config.kv_cache_mb,
-    }
+def prepare(target: Target, s: Sizes) -> dict[str, Any]:
+    """A warm-up with nobody slow (its write rate paces a slow reader until a k = 0 run has been
+    measured), its step interval, and each policy's server, the stall timeout in those steps."""
+    probe = target.variant(**settings(s, "unbounded")) if target.caps.settings else target
+    launch(probe, s, 0, ReadOptions())  # a server's first run is slower than the rest
+    since = probe.current_step() if probe.caps.lab else None
+    rate = float(np.nanmedian([written_rate(x) for x in launch(probe, s, 0, ReadOptions()).streams]))
+    step_s = float(np.median(np.diff(probe.steps(since).started))) if since is not None else np.nan
+    stall = s.stall_steps * step_s if np.isfinite(step_s) else None
+    servers = {OWN: target}
+    for p in s.policies if target.caps.settings else ():  # naive and unbounded: no stall timer, as the warm-up's
+        servers[p] = target.variant(**settings(s, p, None if p in ("naive", "unbounded") else stall))
+    return {"servers": servers, "rate": {}, "writer_Bps": rate, "step_ms": 1e3 * step_s, "stall_timeout_s": stall}
 
 
-def saturation_config(config: Config, slow_read_bytes: int | None = None) -> Saturation:
-    return Saturation(
-        slow=config.saturation_slow,
-        fast=config.saturation_fast,
-        slow_tokens=config.max_new_tokens,
-        fast_tokens=config.saturation_tokens,
-        slow_sleep=config.slow_sleep,
-        read_bytes=slow_read_bytes or config.read_bytes,
-        read_timeout=config.read_timeout,
-    )
+def launch(target: Target, s: Sizes, k: int, slow: ReadOptions) -> Any:
+    """The same ``streams`` requests; the first ``k`` read as ``slow`` says (on raw sockets)."""
+    opts = [slow] * k + [ReadOptions(timeout=slow.timeout)] * (s.streams - k)
+    return target.launch([target.request(p, s.tokens) for p in prompts(s.streams)], opts)
 
 
-def conditions(config: Config) -> list[tuple[str, int]]:
-    return [(policy, k) for policy in config.policies for k in config.slow_counts]
+def written_rate(x: Stream) -> float:
+    """Bytes per second a reader took off its socket, from the response head to its end."""
+    end = x.ended or x.left_at
+    return x.total_bytes / (end - x.headers_at) if x.headers_at and end and end > x.headers_at else np.nan
 
 
-def units(config: Config) -> int:
-    return 1 + config.repetitions * len(conditions(config))
+def measure(trial: Trial) -> dict[str, Any]:
+    s, state, k = trial.sizes, trial.state, trial.slow
+    target, writer = state["servers"][trial.policy], state["rate"].get(trial.policy, state["writer_Bps"])
+    asked = max(1, int(s.slow_fraction * writer * s.slow_pace_s))
+    slow = ReadOptions(pace=s.slow_pace_s, read_bytes=asked, rcvbuf=s.slow_rcvbuf, timeout=s.slow_timeout_s)
+    since = target.current_step() if target.caps.lab else None
+    streams = launch(target, s, k, slow).streams
+    t0, healthy = min(x.sent for x in streams), streams[k:]
+    gaps = [g for x in healthy for g in x.gaps]
+    row = {"healthy_done_s": max((x.ended or np.nan) - t0 for x in healthy), "healthy_gap_p50_ms": 1e3 * pct(gaps, 50),
+           "healthy_gap_p99_ms": 1e3 * pct(gaps, 99), "healthy_Bps": np.nanmedian([written_rate(x) for x in healthy]),
+           "healthy_not_whole": sum(not (x.ok and x.tokens == s.tokens) for x in healthy), "writer_Bps": writer,
+           "asked_read_bytes": asked}  # fmt: skip
+    if k == 0:
+        state["rate"][trial.policy] = row["healthy_Bps"]
+    records, log = [None] * len(streams), None
+    if since is not None:
+        records, log = target.released([x.request_id for x in streams], timeout=s.slow_timeout_s), target.steps(since)
+        row["healthy_steps"] = max(steps_taken(r, log) for r in records[k:])
+    trial.keep("slow", [slow_row(x, r, t0, log, writer) for x, r in zip(streams[:k], records)])
+    return row
 
 
-def requests(config: Config) -> list[dict[str, Any]]:
-    """The same N requests in every run: fixed prompts, ``ignore_eos``, so each makes N tokens."""
-    return bodies(list(range(config.streams)), config.streams, config.max_new_tokens, ignore_eos=True)
+def slow_row(x: Stream, record: dict[str, Any] | None, t0: float, log: pd.DataFrame | None, writer: float) -> dict:
+    """What a slow reader read (``ratio``: its rate over the write rate that paced it), and what
+    the server's record says its request held: time and steps paused, the slot, the queue."""
+    error_at = next((e.time - t0 for e in x.events if e.event == "error" or "error" in e.data), np.nan)
+    row = {"tokens_read": x.tokens, "end": x.finish_reason or ("timeout" if x.error else "cut"),
+           "done_s": (x.ended or np.nan) - t0, "read_bytes_per_read": x.total_bytes / max(1, x.reads),
+           "read_Bps": written_rate(x), "ratio": written_rate(x) / writer, "error_event_s": error_at}  # fmt: skip
+    if record is None or log is None:
+        return row
+    released = record["released"] or np.nan
+    times = [record["submitted"], *record["moved"], record["released"] or np.inf]
+    paused = [(a, b) for state, a, b in zip(record["states"], times, times[1:]) if state == "paused"]
+    started = log.started.to_numpy()
+    return {**row, "server_end": record["end"], "tokens_generated": record["tokens_generated"],
+            "max_queue": record["max_queue"], "pauses": record["pauses"], "paused_s": sum(b - a for a, b in paused),
+            "longest_pause_s": max((b - a for a, b in paused), default=0.0), "released_s": released - t0,
+            "paused_steps": sum(int(((started > a) & (started <= b)).sum()) for a, b in paused),
+            "slot_held_s": released - record["submitted"]}  # fmt: skip
 
 
-# --------------------------------------------------------------------------- the run
+def steps_taken(record: dict[str, Any] | None, log: pd.DataFrame) -> float:
+    """Engine steps from the step that made a stream's first token to the one that released it."""
+    if not record or record["first_token_sampled"] is None or record["release_step"] is None:
+        return np.nan
+    return float(record["release_step"] - log.step[log.started <= record["first_token_sampled"]].max())
 
 
-def run(config: Config, *, server: Any = None, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
-    model = loaded_model(server, config.model)
-    streams: list[dict[str, Any]] = []
-    runs: list[dict[str, Any]] = []
-    steps: list[pd.DataFrame] = []
-    with ExitStack() as stack:
-        servers = {
-            p: stack.enter_context(server_like(server, model, **server_settings(config, p))) for p in config.policies
-        }
-        doing(progress, "a warm-up run with nobody slow: the write rate the slow reader is paced by")
-        pace = calibrate(servers[config.policies[0]], config)
-        tick(progress)
-        for rep, (policy, k) in interleaved(conditions(config), config.repetitions):
-            doing(progress, f"{policy}: {k} slow of {config.streams}, repetition {rep + 1}/{config.repetitions}")
-            more, row, log = measure_run(servers[policy], config, pace, policy, k, rep)
-            streams, runs, steps = streams + more, runs + [row], steps + [log]
-            tick(progress, runs=runs)
-        checks = [_check(srv, p, streams) for p, srv in servers.items()]
-    runs_table = with_ratios(pd.DataFrame(runs))
-    return {
-        "runs": runs_table,
-        "compare": compare_table(runs_table),
-        "streams": pd.DataFrame(streams),
-        "steps": pd.concat(steps, ignore_index=True),
-        "pace": pd.DataFrame([pace]),
-        "checks": pd.DataFrame(checks),
-    }
-
-
-def calibrate(srv: Any, config: Config) -> dict[str, Any]:
-    """One run with nobody slow: the median rate a reader that keeps up was written to, and the
-    slow reader's read size that takes ``slow_fraction`` of it per second."""
-    healthy = Pace(0.0, config.read_bytes, config.read_timeout)
-    done = run_sync(launch(srv.url, requests(config), [healthy] * config.streams))
-    writer = float(np.nanmedian([read_rate(r) for r in done.results]))
-    read_bytes = max(256, int(writer * config.slow_fraction * config.slow_sleep))
-    return {
-        "writer_kib_per_s": writer / 1024,
-        "slow_fraction": config.slow_fraction,
-        "slow_sleep_s": config.slow_sleep,
-        "read_bytes": read_bytes,
-        "paced_kib_per_s": read_bytes / config.slow_sleep / 1024,
-    }
-
-
-def measure_run(
-    srv: Any, config: Config, pace: dict[str, Any], policy: str, k: int, rep: int
-) -> tuple[list[dict[str, Any]], dict[str, Any], pd.DataFrame]:
-    """N streams at once, the first k read slowly: a row per stream, one for the run, its steps."""
-    slow = Pace(config.slow_sleep, int(pace["read_bytes"]), config.read_timeout)
-    healthy = Pace(0.0, config.read_bytes, config.read_timeout)
-    paces = [slow if i < k else healthy for i in range(config.streams)]
-    step0, dropped0 = current_step(srv.url), _dropped(srv.url)
-    started = time.perf_counter()
-    done = run_sync(launch(srv.url, requests(config), paces, linger=config.linger))
-    run_s = time.perf_counter() - started
-    recs = run_sync(records(srv.url, [r.request_id for r in done.results]))
-    log = fetch_steps(srv.url, since=step0)
-    label = {"policy": policy, "slow_readers": k, "repetition": rep}
-    rows = [
-        stream_row(r, rec, done.t0, step0) | label | {"stream": i, "role": "slow" if i < k else "healthy"}
-        for i, (r, rec) in enumerate(zip(done.results, recs))
-    ]
-    row = run_row(rows, log) | label | {"dropped": _dropped(srv.url) - dropped0, "run_s": run_s}
-    return rows, row, log.assign(**label)
-
-
-def _dropped(url: str) -> int:
-    return int(stats(url)["hub"]["dropped"].get("slow_client", 0))
-
-
-def stream_row(r: Any, rec: dict[str, Any] | None, t0: float, step0: int) -> dict[str, Any]:
-    """What one client saw and what the server recorded: seconds from the launch, steps from the
-    run's first step."""
-    rec = rec or {}
-    released, release_step = rec.get("released"), rec.get("release_step")
-    return {
-        "end": r.finish_reason or ("left" if r.left else "cut"),
-        "tokens_received": len(r.tokens),
-        "bytes_received": r.total_bytes,
-        "read_kib_per_s": read_rate(r) / 1024,
-        "done_s": None if r.ended is None else r.ended - t0,
-        "left_engine_s": None if released is None else released - t0,
-        "left_engine_step": None if release_step is None else release_step - step0,
-        "engine_finish": rec.get("finish_reason"),
-        "tokens_generated": rec.get("tokens_generated", 0),
-        "max_queue": rec.get("max_queue", 0),
-        "pauses": rec.get("pauses", 0),
-        "error": r.error,
-    }
-
-
-def run_row(rows: list[dict[str, Any]], log: pd.DataFrame) -> dict[str, Any]:
-    healthy = [r for r in rows if r["role"] == "healthy"]
-    slow = [r for r in rows if r["role"] == "slow"]
-    return {
-        "healthy_done_s": max((r["done_s"] for r in healthy if r["done_s"] is not None), default=np.nan),
-        "healthy_done_step": max((r["left_engine_step"] or 0 for r in healthy), default=np.nan),
-        "healthy_kib_per_s": float(np.nanmedian([r["read_kib_per_s"] for r in healthy])),
-        "healthy_cut": sum(1 for r in healthy if r["end"] != "length" or r["error"]),
-        "step_ms": _mean_interval_ms(log),
-        "steps": len(log),
-        "slow_kib_per_s": float(np.nanmedian([r["read_kib_per_s"] for r in slow])) if slow else np.nan,
-        "slow_paused": sum(1 for r in slow if r["pauses"] > 0),
-        "slow_max_queue": max((r["max_queue"] for r in slow), default=0),
-    }
-
-
-def _mean_interval_ms(log: pd.DataFrame) -> float:
-    """The run's steps, start to start, on average: under naive the step thread waits between
-    steps for the slow reader, and in bursts, so a median would hide it."""
-    if len(log) < 2:
-        return float("nan")
-    return 1000 * float(log.started.max() - log.started.min()) / (len(log) - 1)
-
-
-def with_ratios(runs: pd.DataFrame) -> pd.DataFrame:
-    """Each run's slow reader against its policy's write rate: the median rate its healthy
-    readers were written to in the k = 0 runs of the same server."""
-    writer = runs[runs.slow_readers == 0].groupby("policy").healthy_kib_per_s.median()
-    return runs.assign(
-        writer_kib_per_s=runs.policy.map(writer), slow_ratio=runs.slow_kib_per_s / runs.policy.map(writer)
-    )
-
-
-def compare_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per policy and k: healthy completion in seconds and steps, median (min–max), beside the
-    policy's own k = 0; the slow reader's achieved ratio; how many runs paused or dropped it."""
-    table = spread(runs, ["policy", "slow_readers"], ["healthy_done_s", "healthy_done_step", "step_ms", "slow_ratio"])
-    base = table[table.slow_readers == 0].set_index("policy")
-    grouped = runs.groupby(["policy", "slow_readers"], sort=True)
-    acted = grouped.agg(
-        paused_runs=("slow_paused", lambda s: int((s > 0).sum())),
-        dropped_runs=("dropped", lambda s: int((s > 0).sum())),
-    )
-    table = table.merge(acted.reset_index(), on=["policy", "slow_readers"])
-    order = {p: i for i, p in enumerate(POLICIES)}
-    table = table.assign(
-        done_vs_k0=table.healthy_done_s_median / table.policy.map(base.healthy_done_s_median),
-        steps_vs_k0=table.healthy_done_step_median - table.policy.map(base.healthy_done_step_median),
-    )
-    return table.sort_values(["policy", "slow_readers"], key=lambda c: c.map(order) if c.name == "policy" else c)
-
-
-def _check(srv: Any, policy: str, streams: list[dict[str, Any]]) -> dict[str, Any]:
-    mine = [r for r in streams if r["policy"] == policy]
-    return {
-        "policy": policy,
-        "part": "slow readers",
-        "streams": len(mine),
-        "unended": sum(1 for r in mine if r["end"] == "cut"),
-        **server_checks(srv.url),
-    }
-
-
-# --------------------------------------------------------------------------- reading the tables
-
-
-def _one(compare: pd.DataFrame, policy: str, k: int) -> pd.Series | None:
-    rows = compare[(compare.policy == policy) & (compare.slow_readers == k)]
-    return rows.iloc[0] if len(rows) else None
-
-
-def verdicts(tables: dict[str, pd.DataFrame]) -> list[Verdict]:
-    """The hypotheses of notebook 05, each judged against the criterion stated before measuring."""
-    runs, compare = tables["runs"], tables["compare"]
-    k1 = int(runs.slow_readers[runs.slow_readers > 0].min())
-    out = []
-    base, slow = _one(compare, "naive", 0), _one(compare, "naive", k1)
-    if base is not None and slow is not None:
-        ratio = slow.healthy_done_s_median / base.healthy_done_s_median
-        apart = slow.healthy_done_s_min > base.healthy_done_s_max
-        out.append(
-            Verdict(
-                "naive_delays_healthy",
-                "Under naive, one slow reader delays the healthy streams.",
-                f"healthy median completion at k={k1} under {DELAY_LIMIT}x its k=0 median, or the two ranges overlap",
-                bool(ratio >= DELAY_LIMIT and apart),
-                f"k=0 {_span(runs, 'naive', 0)}, k={k1} {_span(runs, 'naive', k1)} ({ratio:.2f}x)",
-            )
-        )
-    rows = {p: _one(compare, p, k1) for p in compare.policy.unique() if p != "naive"}
-    ratios = {p: float(r.done_vs_k0) for p, r in rows.items() if r is not None}
-    if ratios:
-        out.append(
-            Verdict(
-                "queues_isolate_healthy",
-                "With a queue per stream (unbounded, pause, drop, pause_then_drop) a slow reader does not delay the healthy streams.",
-                f"for any of them, healthy median completion at k={k1} above {ISOLATION_LIMIT}x its own k=0 median",
-                all(r <= ISOLATION_LIMIT for r in ratios.values()),
-                ", ".join(f"{p} {r:.2f}x" for p, r in ratios.items()),
-            )
-        )
-    deltas = compare[compare.slow_readers > 0].steps_vs_k0.abs()
-    out.append(
-        Verdict(
-            "same_steps",
-            "Whatever the policy, a slow reader costs the healthy streams seconds, never steps: they finish after as many engine steps as with nobody slow.",
-            "for any policy, the healthy streams' median finishing step at k>0 more than 2 steps from k=0",
-            bool((deltas <= 2).all()),
-            ", ".join(f"{r.policy} {r.steps_vs_k0:+.0f}" for r in compare[compare.slow_readers > 0].itertuples()),
-        )
-    )
-    acts = (("pause", "paused_runs"), ("drop", "dropped_runs"), ("pause_then_drop", "dropped_runs"))
-    fired: dict[str, tuple[int, int]] = {}
-    for policy, col in acts:
-        row = _one(compare, policy, k1)
-        if row is not None:
-            fired[policy] = (int(row[col]), int(row.n))
-    if fired:
-        out.append(
-            Verdict(
-                "policies_act",
-                f"At k={k1} the policies act as designed: pause pauses the slow stream, drop and pause_then_drop drop it, in every run.",
-                "any such run in which the policy did not act",
-                all(a == n for a, n in fired.values()),
-                ", ".join(f"{p} acted in {a} of {n}" for p, (a, n) in fired.items()),
-            )
-        )
-    ratio = runs.slow_ratio.dropna()
-    out.append(
-        Verdict(
-            "slow_is_slow",
-            f"The slow reader reads at most {MAX_RATIO} of what the same server writes to a reader that keeps up.",
-            f"any run whose slow reader's achieved ratio is above {MAX_RATIO}",
-            bool(len(ratio) and (ratio <= MAX_RATIO).all()),
-            f"achieved ratio {span(ratio)} over {len(ratio)} runs",
-        )
-    )
+def tables(t: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
+    """Per policy and k: the healthy streams (``done_vs_k0``: over the same repetition's k = 0);
+    the slow readers: per read, rate, error event, release, time and steps paused, queue."""
+    rows = t["rows"].copy()
+    base = rows[rows.slow == 0].set_index(["policy", "repetition"]).healthy_done_s
+    rows["done_vs_k0"] = rows.healthy_done_s / [base.get(key, np.nan) for key in zip(rows.policy, rows.repetition)]
+    cols = ["healthy_done_s", "done_vs_k0", "healthy_steps", "healthy_gap_p99_ms", "healthy_gap_p50_ms"]
+    out = {"rows": rows, "compare": spread(rows, ["policy", "slow"], [c for c in cols if c in rows])}
+    if len(t.get("slow", ())):
+        cols = ["read_bytes_per_read", "read_Bps", "ratio", "tokens_read", "error_event_s", "released_s",
+                "slot_held_s", "paused_s", "paused_steps", "longest_pause_s", "max_queue"]  # fmt: skip
+        out["slow_readers"] = spread(t["slow"], ["policy", "slow"], [c for c in cols if c in t["slow"]])
     return out
 
 
-def _span(runs: pd.DataFrame, policy: str, k: int) -> str:
-    return span(runs[(runs.policy == policy) & (runs.slow_readers == k)].healthy_done_s, "{:.1f}", " s")
+def verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
+    rows, slow = t["rows"], t.get("slow", pd.DataFrame())
+    cut, n = int(rows.healthy_not_whole.sum()), len(rows) * s.streams - int(rows.slow.sum())
+    out = [judge("healthy streams whole", "every healthy stream under every policy ends with its own end, whole",
+                 "any healthy stream failed or came short", cut == 0, f"{cut} of {n} not whole",
+                 checked=True)]  # fmt: skip
+    told = {p: tell(interval(rows[(rows.policy == p) & (rows.slow > 0)].done_vs_k0.to_numpy()),
+                    DELAYS if p == "naive" else ISOLATES, "above" if p == "naive" else "below")
+            for p in rows.policy.unique()}  # fmt: skip
+    if "naive" in told:
+        out.append(judge("naive delays the healthy", "under naive, slow readers delay the healthy streams", "the 95% "
+                         f"interval of healthy completion (k > 0 over the same repetition's k = 0) lies below {DELAYS}",
+                         told["naive"][0], f"ratio {told.pop('naive')[1]}"))  # fmt: skip
+    if told:
+        outcomes = [d for d, _ in told.values()]
+        out.append(judge("queues isolate the healthy", "with a queue per stream slow readers do not delay the healthy "
+                         "streams", f"for any other policy, the 95% interval of that ratio lies above {ISOLATES}",
+                         False if False in outcomes else None if None in outcomes else True,
+                         "; ".join(f"{p}: {text}" for p, (_, text) in told.items())))  # fmt: skip
+    if "healthy_steps" in rows:
+        by = rows.groupby(["policy", "slow"]).healthy_steps.max().unstack()
+        moved = by.sub(by[0], axis=0).abs().max(axis=1)
+        out.append(judge("same steps", "a slow reader costs the healthy streams seconds, never engine steps", "for any "
+                         "policy and k, a healthy stream's steps from first token to release differ from k = 0's by "
+                         "more than 2", bool((moved <= 2).all()), ", ".join(f"{p} {m:+.0f}" for p, m in moved.items()),
+                         checked=True))  # fmt: skip
+    if len(slow) and "server_end" in slow:
+        gone = slow.server_end == "slow_client"
+        act = {"naive": slow.max_queue <= 2, "unbounded": slow.max_queue >= s.high_water, "pause": slow.pauses > 0,
+               "drop": gone, "pause_then_drop": gone}  # fmt: skip
+        fired = {p: (int(act[p][slow.policy == p].sum()), int((slow.policy == p).sum())) for p in act}
+        fired = {p: counts for p, counts in fired.items() if counts[1]}  # a target's own policy is none of these
+        told_n, dropped = int((gone & (slow.end == "slow_client")).sum()), int(gone.sum())
+        out += [judge("policies act", "naive never queues a slow stream, unbounded queues it past the mark, pause "
+                      "pauses it, drop and pause_then_drop drop it, in every run", "any run where its policy did not",
+                      all(a == n for a, n in fired.values()) if fired else None,
+                      ", ".join(f"{p} {a} of {n}" for p, (a, n) in fired.items()) or "no policy set", checked=True),
+                judge("the dropped reader is told", "a dropped slow reader, reading on, gets the slow_client error "
+                      "event after its backlog", "any dropped reader ends without it",
+                      told_n == dropped if dropped else None, f"{told_n} of {dropped}", checked=True)]  # fmt: skip
+    if len(slow):
+        ratio = slow.ratio.dropna()
+        out.append(judge("slow is slow", f"a slow reader reads at most {MAX_RATIO} of what its server writes",
+                         f"any slow reader above {MAX_RATIO}", bool(len(ratio)) and bool((ratio <= MAX_RATIO).all()),
+                         f"achieved {span(ratio)} over {len(ratio)} readers", checked=True))  # fmt: skip
+    return out
 
 
-CHECKED = ("naive_delays_healthy", "same_steps", "policies_act", "slow_is_slow")
-"""The verdicts that hold under both profiles (nbval checks them in notebook 05)."""
-
-
-def checked(tables: dict[str, pd.DataFrame]) -> list[Verdict]:
-    return [v for v in verdicts(tables) if v.name in CHECKED]
-
-
-def summary(tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
-    compare = tables["compare"]
-    by = lambda col: {f"{r.policy} k={r.slow_readers}": round(float(getattr(r, col)), 3) for r in compare.itertuples()}  # noqa: E731
-    return {
-        "healthy_done_s_median": by("healthy_done_s_median"),
-        "healthy_done_step_median": by("healthy_done_step_median"),
-        "done_vs_k0": by("done_vs_k0"),
-        "slow_ratio_max": float(tables["runs"].slow_ratio.max()),
-        "verdicts": {v.name: v.holds for v in verdicts(tables)},
-    }
-
-
-def findings(tables: dict[str, pd.DataFrame]) -> str:
-    """Plain sentences from this run's numbers (printed, never typed, under the tables)."""
-    runs, pace = tables["runs"], tables["pace"].iloc[0]
-    k1 = int(runs.slow_readers[runs.slow_readers > 0].min())
-    said = [
-        f"A reader that keeps up was written to at {pace.writer_kib_per_s:.0f} KiB/s in the warm-up run; the slow reader "
-        f"took {int(pace.read_bytes)} bytes per read and slept {pace.slow_sleep_s:g} s, and achieved "
-        f"{span(runs.slow_ratio.dropna())} of its policy's k=0 write rate."
-    ]
-    for policy in runs.policy.unique():
-        said.append(
-            f"{policy}: healthy streams done after {_span(runs, policy, 0)} with nobody slow, "
-            f"{_span(runs, policy, k1)} with {k1} slow."
-        )
-    return " ".join(said)
-
-
-def beside_chapter(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    streams, runs = tables["streams"], tables["runs"]
-    k1 = int(runs.slow_readers[runs.slow_readers > 0].min())
-
-    def slow(policy: str, col: str) -> pd.Series:
-        return streams[(streams.policy == policy) & (streams.role == "slow")][col]
-
-    return beside(
-        [
-            (
-                f"naive: last healthy stream done, {k1} slow (none slow); chapter: {figure('slowclient', 'naive_slow_of')}",
-                figure("slowclient", "naive_done_s"),
-                f"{_span(runs, 'naive', k1)} ({_span(runs, 'naive', 0)})",
-                "s",
-            ),
-            (
-                "slow reader's pace, share of the write rate",
-                figure("slowclient", "slow_pace"),
-                span(runs.slow_ratio.dropna()),
-                "ratio",
-            ),
-            (
-                "unbounded: slow sequence left the engine",
-                figure("slowclient", "unbounded_left_engine_s"),
-                span(slow("unbounded", "left_engine_s")),
-                "s",
-            ),
-            (
-                "drop: slot given back after",
-                figure("slowclient", "drop_left_engine_s"),
-                span(slow("drop", "left_engine_s")),
-                "s",
-            ),
-            ("pause_then_drop: slot given back after", NO_FIGURE, span(slow("pause_then_drop", "left_engine_s")), "s"),
-        ]
-    )
-
-
-def report(tables: dict[str, pd.DataFrame]) -> str:
-    """Stable lines for a checked notebook cell: the invariants every server kept."""
-    checks = tables["checks"]
-    bad = checks[~(checks.cache_whole & (checks.open_streams == 0) & (checks.unended == 0))]
-    lines = [
-        f"{'every' if bad.empty else 'NOT every'} server ended with its cache whole and no stream open, "
-        f"and every client was told how its stream ended (done or error)"
-    ]
-    lines += [f"  failed: {row.policy}, {row.part} ({row.what or 'streams open or cut'})" for _, row in bad.iterrows()]
-    healthy = tables["streams"][tables["streams"].role == "healthy"]
-    cut = int(((healthy.end != "length") | healthy.error.notna()).sum())
-    lines.append(
-        "every healthy reader got its whole stream and a normal end, whatever the policy: "
-        + ("yes" if cut == 0 else f"NOT ({cut} of {len(healthy)} did not)")
-    )
-    if "saturation" in tables and len(tables["saturation"]):  # runs before the full batch moved to notebook 07
-        failed = int(tables["saturation"].fast_errors.sum())
-        lines.append("under a full batch no fast reader failed: " + ("yes" if failed == 0 else f"NOT ({failed} did)"))
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- the figure
-
-
-def plot(tables: dict[str, pd.DataFrame]) -> list:
-    return [plot_policies(tables["runs"])]
-
-
-def plot_policies(runs: pd.DataFrame):
-    """Left: every run's healthy completion over its policy's k=0 median (all points, k=0 beside
-    k>0). Right: every slow reader's achieved share of its policy's write rate."""
+def plots(t: dict[str, pd.DataFrame], s: Sizes) -> list:
     from labkit.plots import new_figure
 
+    rows, slow = t["rows"], t.get("slow", pd.DataFrame(columns=["policy", "ratio"]))
     fig, (left, right) = new_figure("slowclient_policies", ncols=2, width=11.0)
-    policies = [p for p in POLICIES if p in set(runs.policy)]
-    base = runs[runs.slow_readers == 0].groupby("policy").healthy_done_s.median()
-    for x, policy in enumerate(policies):
-        for k, group in runs[runs.policy == policy].groupby("slow_readers"):
-            dx = -0.15 if k == 0 else 0.15
-            y = group.healthy_done_s / base[policy]
-            left.scatter(
-                [x + dx] * len(y),
-                y,
-                color="gray" if k == 0 else "C3",
-                s=22,
-                zorder=3,
-                label=f"k={k}" if x == 0 else None,
-            )
-            left.hlines(y.median(), x + dx - 0.1, x + dx + 0.1, color="black", lw=1.5)
-        slow = runs[(runs.policy == policy) & (runs.slow_readers > 0)].slow_ratio
-        right.scatter([x] * len(slow), slow, color="C0", s=22, zorder=3)
-    left.axhline(1.0, color="gray", lw=0.8)
-    left.axhline(ISOLATION_LIMIT, color="gray", ls="--", lw=0.8, label=f"{ISOLATION_LIMIT}x (isolation limit)")
-    left.set(ylabel="healthy streams done, ÷ own k=0 median", title="What the healthy streams pay (every run)")
-    right.axhline(MAX_RATIO, color="C3", ls="--", lw=0.8, label=f"{MAX_RATIO} (most a slow reader may take)")
-    right.set(ylabel="slow reader's bytes/s ÷ server's write rate", title="How slow the slow reader was", ylim=(0, 1))
+    policies = list(dict.fromkeys(rows.policy))
+    for j, (k, g) in enumerate(rows.groupby("slow")):
+        left.scatter(g.policy.map(policies.index) + 0.1 * (j - 1.5), g.done_vs_k0, s=16, label=f"k = {k}")
+    right.scatter(slow.policy.map(policies.index), slow.ratio, s=16)
+    left.axhline(ISOLATES, color="gray", ls="--", lw=0.8)
+    right.axhline(MAX_RATIO, color="C3", ls="--", lw=0.8)
+    left.set(ylabel="healthy streams done ÷ the same repetition's k = 0", title="What the healthy pay", yscale="log")
+    right.set(ylabel="slow reader's bytes/s ÷ the write rate pacing it", title="How slow the slow were", ylim=(0, 1))
     for ax in (left, right):
         ax.set_xticks(range(len(policies)), policies, rotation=20)
-        ax.legend(fontsize=8)
-    return fig
+    left.legend(fontsize="small")
+    return [fig]
+
+
+POLICIES = Experiment(
+    name="slowclient.policies",
+    title="Slow readers among healthy ones under each policy, each against its own k = 0 runs",
+    sizes={
+        "full": {"policies": HUB_POLICIES, "streams": 8, "slow_counts": (0, 1, 2, 4), "tokens": 32, "pad_bytes": 65536,
+                 "sndbuf": 16384, "high_water": 8, "stall_steps": 6, "slow_fraction": 0.33, "slow_pace_s": 0.05,
+                 "slow_rcvbuf": 65536, "slow_timeout_s": 300.0, "repetitions": 2},
+        "ci": {"policies": HUB_POLICIES, "streams": 4, "slow_counts": (0, 1, 2), "tokens": 96, "pad_bytes": 4096,
+               "sndbuf": 4096, "high_water": 8, "stall_steps": 8, "slow_fraction": 0.25, "slow_pace_s": 0.02,
+               "slow_rcvbuf": 4096, "slow_timeout_s": 120.0, "repetitions": 2},
+    },
+    conditions=conditions,
+    prepare=prepare,
+    measure=measure,
+    tables=tables,
+    verdicts=verdicts,
+    plots=plots,
+    chapter={"stall_steps": ("0.25 s", "counted in steps of the measured step interval, so the drop falls at the "
+                             "same point of a stream on any engine"),
+             "slow_fraction": (published("slowclient")["slow_pace"], "a share of the server's measured write rate"),
+             "tokens": (64, "every slow reader reads its stream to the end at a third of the write rate: 64 tokens "
+                        "would take the runs past the notebook's time"),
+             "repetitions": (1, "two, interleaved: with k = 1, 2 and 4 pooled, six paired ratios per policy, the "
+                             "fewest that give a 95% interval")},
+)  # fmt: skip
+
+SPECS = (POLICIES,)

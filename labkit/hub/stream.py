@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -103,6 +104,7 @@ class StreamRecord:
     max_queue: int = 0
     pauses: int = 0
     states: list[str] = field(default_factory=lambda: [StreamState.QUEUED.value])  # every state visited
+    moved: list[float] = field(default_factory=list)  # when each state after the first was entered
 
     def note_event(self, event: TokenEvent | FinishEvent, step: int) -> None:
         """Book an engine event made by step number ``step``, whether or not the stream is
@@ -149,6 +151,7 @@ class Stream:
             raise IllegalTransition(f"stream {self.rid}: {self._state.value} -> {to.value} is not allowed")
         self._state = to
         self.record.states.append(to.value)
+        self.record.moved.append(time.perf_counter())
         if to is StreamState.PAUSED:
             self.record.pauses += 1
         if to is StreamState.CLOSED:

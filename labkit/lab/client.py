@@ -149,6 +149,7 @@ async def _httpx(client: httpx.AsyncClient, request: Request, options: ReadOptio
                 break
             except TimeoutError:
                 break
+            result.reads += 1
             if not _take(result, splitter, chunk, time.perf_counter(), options):
                 return
             if options.pace:
@@ -313,6 +314,7 @@ async def _read_raw(
             data = recv.result()
             if options.keep_wire:
                 result.wire += data
+            result.reads += bool(data)
             conn.receive_data(data)
             try:
                 complete = _raw_events(conn, result, splitter, kept, options)

@@ -32,8 +32,8 @@ class Sizes:
     changed: an override must name a known size and keep its kind. (Not a Mapping, so that no
     method name such as ``values`` hides a size of that name.)"""
 
-    def __init__(self, values: Mapping[str, Any]) -> None:
-        object.__setattr__(self, "_values", dict(values))
+    def __init__(self, values: Mapping[str, Any] | None = None, **more: Any) -> None:
+        object.__setattr__(self, "_values", {**(values or {}), **more})
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -64,6 +64,9 @@ class Sizes:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self._values)
+
+    def keys(self) -> Any:  # so that dict(sizes) and **sizes work
+        return self._values.keys()
 
     def changed(self, **overrides: Any) -> Sizes:
         out = dict(self._values)

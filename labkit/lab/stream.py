@@ -100,6 +100,7 @@ class Stream:
     ended: float | None = None
     events: list[TimedEvent] = field(default_factory=list)
     total_bytes: int = 0
+    reads: int = 0  # socket reads that returned bytes (httpx: chunks): total_bytes / reads per read
     unfinished_bytes: int = 0  # bytes after the last complete event: an event cut off
     last_event_id: str = ""
     left: LeaveBy | None = None

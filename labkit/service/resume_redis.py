@@ -189,7 +189,7 @@ async def store_cost(url: str, events: int = 1000, text: str = " word", capacity
     one awaited round trip each) and read back what they cost: microseconds per append (median,
     p90, max) and bytes per event in Redis (``MEMORY USAGE`` of the stream, divided by its
     ``XLEN``), beside the event's own SSE size. The scratch keys are deleted afterwards. From a
-    notebook cell, whose loop is already running: ``labkit.experiments.client.run_sync(store_cost(url))``."""
+    notebook cell, whose loop is already running: ``labkit.lab.run_sync(store_cost(url))``."""
     store = RedisStore(url, capacity=max(capacity, events + 2), ttl=60.0)
     rid, encoder = f"cost-{uuid.uuid4().hex[:12]}", StreamEncoder()
     frames = [Frame("token", encoder.token(i, 1000 + i, text), i + 1) for i in range(events)]
