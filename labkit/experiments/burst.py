@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from labkit.experiments.peers import LABKIT, LLAMA, TRANSFORMERS, UNCHUNKED, Lineup, as_lineup
+from labkit.experiments.peers import LABKIT, LLAMA, TRANSFORMERS, UNCHUNKED, Lineup, as_lineup, budget_settings
 from labkit.lab import Experiment, ReadOptions, Sizes, Stream, Target, Trial, interval, judge, span, spread, tell
 from labkit.lab.client import async_client, percentile, run_sync
 from labkit.lab.witness import WaitTimeout, until
@@ -44,9 +44,12 @@ def long_prompt(tokens: int) -> str:
 
 
 def conditions(s: Sizes, target: Target) -> list[dict[str, Any]]:
-    """The lineup's servers that ``servers`` names (a missing one: a "not measurable" row); any
-    other target alone."""
-    return [{"server": n} for n in (s.servers if isinstance(target, Lineup) else as_lineup(target).servers)]
+    """The lineup's servers that ``servers`` names (a missing one: a "not measurable" row); a
+    labkit in this process: the labkits it names, each started with its budget; any other alone."""
+    if isinstance(target, Lineup):
+        return [{"server": n} for n in s.servers]
+    names = [n for n in s.servers if n.startswith(LABKIT)] if target.caps.settings else as_lineup(target).servers
+    return [{"server": n} for n in names]
 
 
 async def _burst(server: Target, s: Sizes) -> tuple[list[Stream], Stream | None, int]:
@@ -184,6 +187,7 @@ BURST = Experiment(
            "ci": {"servers": (LABKIT, UNCHUNKED, LLAMA, TRANSFORMERS), "streams": 7, "tokens": 24,
                   "arrive_after": 4, "prompt_tokens": 200, "long_tokens": 4, "timeout": 120.0, "repetitions": 3}},
     conditions=conditions,
+    server=budget_settings,
     measure=measure,
     tables=tables,
     verdicts=verdicts,

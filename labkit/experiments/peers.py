@@ -33,6 +33,8 @@ import pandas as pd
 from labkit.engine.config import DEFAULT_STEP_TOKENS
 from labkit.lab import Experiment, LocalLab, NotMeasurable, Process, Sizes, Target, TargetError, Trial, quirks_table
 from labkit.lab.probe import probe
+from labkit.lab.profiles import repo_root
+from labkit.lab.runner import run
 from labkit.lab.target import free_port
 from labkit.lab.verdict import interval, judge, span, spread, tell
 from labkit.machine import resident_mib
@@ -97,6 +99,30 @@ def as_lineup(target: Target) -> Lineup:
     return Lineup({target.name: target}, {}, {})
 
 
+def each(spec: Experiment, target: Target, **sizes: Any) -> dict:
+    """``spec`` against labkit and each peer in turn (each is compared with itself: its own idle,
+    its own rounds without the effect), unsaved: one server's run would overwrite another's under
+    ``<data>/target-<group>/``. A missing server: one line saying why."""
+    lineup, out = as_lineup(target), {}
+    for name in (LABKIT, *PEERS) if isinstance(target, Lineup) else lineup.servers:
+        if name in lineup.missing:
+            print(f"{name}: not measurable, because {lineup.missing[name]}")
+        elif name in lineup.servers:
+            out[name] = run(spec, lineup.servers[name], save=False, **sizes)
+    return out
+
+
+def side_by_side(results: dict[str, Any], table: str = "") -> pd.DataFrame:
+    """Each server's ``table`` (empty: its verdicts), one below the other, the server as the first index."""
+    return pd.concat({n: r.verdict_table() if not table else r.table(table) for n, r in results.items()},
+                     names=["server"])  # fmt: skip
+
+
+def checked(results: dict[str, Any]) -> str:
+    """labkit's checked lines of :func:`each`'s results: which peers run differs between machines."""
+    return results[LABKIT].checked() if LABKIT in results else ""
+
+
 def quirks(target: Target) -> pd.DataFrame:
     """What each server's probe found, one column a server."""
     return pd.DataFrame({n: quirks_table(s).set_index("question").answer for n, s in as_lineup(target).servers.items()})
@@ -107,7 +133,9 @@ def start(
     engine: Target | None = None, num_blocks: int = 384, threads: int = 2, log_dir: Path | None = None,
 ) -> Lineup:  # fmt: skip
     """labkit at each budget (the default first) and the peers, each started, probed and warmed up
-    once; a peer that cannot start is kept as a reason. ``num_blocks`` of 16 tokens: every cache."""
+    once; a peer that cannot start is kept as a reason. ``num_blocks`` of 16 tokens: every cache.
+    The servers' output goes to ``log_dir`` (default ``build/peers/`` in the checkout)."""
+    log_dir = log_dir or repo_root() / "build" / "peers"
     env = {"OMP_NUM_THREADS": str(threads)}
     make: dict[str, Callable[[], Process]] = {
         labkit_name(b): partial(Process.labkit, model, api="openai", env=env, num_blocks=num_blocks, max_batch=32,
@@ -141,14 +169,12 @@ def start(
     return Lineup(servers, missing, {n: b for n, b in budget_of.items() if n in servers}, loaded, up_s)
 
 
-def _log(log_dir: Path | None, name: str) -> Path | None:
-    if log_dir is None:
-        return None
+def _log(log_dir: Path, name: str) -> Path:
     log_dir.mkdir(parents=True, exist_ok=True)
     return log_dir / f"{name.split()[0].replace('.', '_')}.log"
 
 
-def _llama(model: str, num_blocks: int, env: dict[str, str], log_dir: Path | None) -> Process:
+def _llama(model: str, num_blocks: int, env: dict[str, str], log_dir: Path) -> Process:
     from labkit.peers import PeerMissing, llama_server
 
     found = llama_server()
@@ -164,7 +190,7 @@ def _llama(model: str, num_blocks: int, env: dict[str, str], log_dir: Path | Non
                    extra_body={"cache_prompt": False}, name=LLAMA)  # fmt: skip
 
 
-def _transformers(model: str, num_blocks: int, env: dict[str, str], log_dir: Path | None) -> Process:
+def _transformers(model: str, num_blocks: int, env: dict[str, str], log_dir: Path) -> Process:
     lacking = [m for m in SERVING if find_spec(m) is None]
     if lacking:
         raise NotMeasurable(TRANSFORMERS, f"it needs transformers[serving] (missing {', '.join(lacking)}): "
@@ -210,12 +236,19 @@ SAID = dict(zip(METRICS, ("tokens/s", "first token median", "first token p99", "
 
 def load_conditions(s: Sizes, target: Target) -> list[dict[str, Any]]:
     """labkit (default budget) and each peer at every level; labkit at the sweep's other budgets
-    at the top level only; the engine alone at one stream, where its model is in this process."""
+    at the top level only (a lineup's servers, or a labkit in this process started with each); the
+    engine alone at one stream, where its model is in this process."""
     lineup, top = as_lineup(target), max(s.levels)
     main = [n for n in (LABKIT, *PEERS) if n in lineup.servers or n in lineup.missing] or list(lineup.servers)
     out = [{"server": n, "level": level} for level in s.levels for n in main]
     out += [{"server": labkit_name(b), "level": top} for b in s.budgets if labkit_name(b) not in main]
     return out + ([{"server": ENGINE, "level": 1}] if lineup.loaded is not None and 1 in s.levels else [])
+
+
+def budget_settings(s: Sizes, c: dict[str, Any]) -> dict[str, Any]:
+    """A labkit the lab starts with settings (in this process): the condition's budget."""
+    known = {labkit_name(b): b for b in (DEFAULT_STEP_TOKENS, None, *(s["budgets"] if "budgets" in s else ()))}
+    return {"step_tokens": known[c["server"]]} if c["server"] in known else {}
 
 
 def prepare_load(target: Target, s: Sizes) -> dict[str, Any]:
@@ -226,7 +259,7 @@ def prepare_load(target: Target, s: Sizes) -> dict[str, Any]:
     if lineup.loaded is not None:
         engine = BatchEngine(lineup.loaded, EngineConfig(max_batch=1, num_blocks=max(8, s.tokens // 8)))
         engine_alone(engine, WARM_TOKENS)
-    return {"lineup": lineup, "engine": engine}
+    return {"engine": engine}
 
 
 def engine_alone(engine: Any, tokens: int) -> dict[str, Any]:
@@ -243,7 +276,7 @@ def engine_alone(engine: Any, tokens: int) -> dict[str, Any]:
 
 
 def measure_load(trial: Trial) -> dict[str, Any]:
-    s, lineup = trial.sizes, trial.state["lineup"]
+    s, lineup = trial.sizes, as_lineup(trial.target)
     if trial.server == ENGINE:
         return engine_alone(trial.state["engine"], s.tokens)
     server = lineup.server(trial.server)
@@ -389,6 +422,7 @@ LOAD = Experiment(
     sizes={"full": {"levels": (1, 4, 16, 32), "tokens": 64, "budgets": (16, 64, 256, None), "repetitions": 3},
            "ci": {"levels": (1, 4), "tokens": 16, "budgets": (16, 64, None), "repetitions": 3}},
     conditions=load_conditions,
+    server=budget_settings,
     prepare=prepare_load,
     measure=measure_load,
     tables=load_tables,
