@@ -195,10 +195,11 @@ def _transformers(model: str, num_blocks: int, env: dict[str, str], log_dir: Pat
     if lacking:
         raise NotMeasurable(TRANSFORMERS, f"it needs transformers[serving] (missing {', '.join(lacking)}): "
                             "pip install 'transformers[serving]'")  # fmt: skip
-    port = free_port()
+    port = free_port()  # a batch of at most 4096 tokens: with its own choice it made a third fewer tokens/s here
     command = [sys.executable, "-c", TRANSFORMERS_CLI, "serve", str(hf_folder(model)), "--continuous-batching",
                "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
-               "--cb-block-size", "16", "--cb-num-blocks", str(num_blocks), "--log-level", "info"]  # fmt: skip
+               "--cb-block-size", "16", "--cb-num-blocks", str(num_blocks), "--log-level", "info",
+               "--cb-max-batch-tokens", "4096"]  # fmt: skip
     return Process(command, f"http://127.0.0.1:{port}", health="/health", log=_log(log_dir, TRANSFORMERS), env=env,
                    name=TRANSFORMERS)  # fmt: skip
 
