@@ -175,6 +175,9 @@ def plots(t: dict[str, pd.DataFrame], s: Sizes) -> list:
         ax.axvline(0, color="C3", lw=0.8)
         ax.set(title=name, xlabel="ms since the long prompt was sent", ylabel="largest gap over the streams (ms)")
         ax.set_yscale("log")
+    low, high = min(ax.get_ylim()[0] for ax in axes), max(ax.get_ylim()[1] for ax in axes)
+    for ax in axes:
+        ax.set_ylim(low, high)  # one scale for every server, so the panels compare
     axes[0].legend(fontsize="x-small")
     return [fig]
 

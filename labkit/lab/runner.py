@@ -147,7 +147,7 @@ def run(
     sizes = spec.sizes_for(profile.name, **overrides)
     owned = target is None
     target = target or LocalLab(profile.model)
-    folder = data_folder(spec, profile, lab=owned or target.lab_owned)
+    folder = data_folder(spec, profile, lab=owned or getattr(target, "lab_owned", False))
     before, started = MachineState.now(), time.perf_counter()
     try:
         rows, kept, missing = _trials(spec, target, sizes, folder / "partial", show)
