@@ -53,6 +53,16 @@ def busy_seconds() -> float | None:
     return (sum(ticks[:8]) - idle) / clock
 
 
+def resident_mib(pid: int) -> float | None:
+    """The resident memory of process ``pid`` in MiB (``/proc/PID/status``); None without ``/proc``."""
+    try:
+        with open(PROC / str(pid) / "status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return kib / 1024
+
+
 def own_seconds() -> float:
     """This process's CPU seconds and those of its live and reaped children (nginx, a server
     started as a process): psutil where it is installed, else ``os.times`` (reaped children only;

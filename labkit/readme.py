@@ -9,7 +9,8 @@ Each measured table sits between two markers::
 
 and ``python -m labkit.readme`` (run by ``make lab`` and ``make bench``) replaces what is between
 them with the table rendered from ``data/``: ``durations`` from ``data/durations.csv``,
-``bench_step`` and ``bench_generate`` from ``data/bench/*.csv`` (``labkit bench … --save``).
+``bench_step`` and ``bench_generate`` from ``data/bench/*.csv`` (``labkit bench … --save``),
+``peers`` from notebook 09's run (``data/peers/load/``).
 ``tests/test_readme.py`` fails when the README and its data disagree.
 """
 
@@ -114,11 +115,30 @@ def bench_attention(data: Path) -> str:
     return "\n".join(lines) + f"\n\n*Median (min–max) of {n} interleaved repetitions.*\n" + _provenance(path)
 
 
+def peers(data: Path) -> str:
+    """Notebook 09's servers side by side (``data/peers/load/beside.csv``, written by ``make lab``):
+    each cell the median (min–max) over the interleaved rounds, with the run's provenance."""
+    folder = data / "peers" / "load"
+    t = pd.read_csv(folder / "beside.csv", dtype=str).fillna("n/a")
+    servers = [c for c in t.columns if c != "measurement"]
+    lines = ["| | " + " | ".join(servers) + " |", "|---" * (len(servers) + 1) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in t[["measurement", *servers]].itertuples(index=False)]
+    record = json.loads((folder / "results.json").read_text())
+    env, machine = record["environment"], record["machine"]
+    load = (machine.get("loadavg_before") or [None])[0]
+    load = f"{load:.2f}" if isinstance(load, (int, float)) else "not recorded"
+    return "\n".join(lines) + (
+        f"\n\n*Median (min–max) of {record['sizes']['repetitions']} interleaved rounds: commit "
+        f"{str(env.get('git_commit') or '?')[:7]}, {str(env.get('date', '?'))[:10]}, load average {load} before.*\n"
+    )
+
+
 RENDERERS: dict[str, Callable[[Path], str]] = {
     "durations": durations,
     "bench_step": bench_step,
     "bench_generate": bench_generate,
     "bench_attention": bench_attention,
+    "peers": peers,
 }
 
 

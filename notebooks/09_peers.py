@@ -14,188 +14,273 @@
 # ---
 
 # %% [markdown]
-# # 9. labkit beside a peer: the same experiments against `transformers serve`
+# # 9. labkit beside its peers: llama.cpp and transformers serve, measured the same way
 #
-# The lab's client-side experiments speak the OpenAI streaming API, so they can measure any
-# server that does. Here `labkit serve` and `transformers serve --continuous-batching` run one
-# after another as child processes of this interpreter on 127.0.0.1, with the same weights read
-# from one saved Hugging Face folder, float32, on the CPU, each with a KV cache of the same size.
-# Against each we run the overlap sweep (streams sent at once, rounds interleaved), the disconnect
-# probe (streams leave by FIN or RST; the server's CPU time, read from `/proc/PID/stat`, says
-# whether it went back to idle) and the slow-reader probe (healthy streams beside slow readers,
-# against the same run's rounds without them). Every request is built from what a probe of the
-# server found, not from its name; the table of what each server does differently comes first.
+# A lab that measures only its own server cannot say whether its numbers are good. Here
+# `labkit serve` runs beside two peers: llama.cpp's `llama-server`, the reference for serving a
+# small model on a CPU, and `transformers serve --continuous-batching`. Each runs in a process of
+# its own on this machine, started once and kept up; while one is measured the others are idle,
+# and the runner takes them in turn, round by round, the order reversed every other round, so a
+# drift in the machine's load falls on all of them alike.
 #
-# ## Hypotheses, stated before measuring
+# **What is the same**: the weights (labkit dequantises SmolLM2's GGUF file; llama.cpp runs that
+# file converted to float32; transformers serve reads the folder labkit converted it into),
+# float32 arithmetic, the number of threads, the prompts, the number of tokens of every stream
+# (end-of-sequence ignored, each server by its own flag, found by probing it), the size of the KV
+# cache, and the client: this process, reading every server over the same OpenAI streaming route
+# with the same reader. llama.cpp's prompt cache is off in every request, so no server reuses a
+# prefix.
 #
-# - **throughput_vs_peer**: labkit's aggregate tokens/s at the largest level is at least
-#   transformers serve's. Falsified if labkit's median over the rounds is below the peer's.
-# - **overlap_<server>**: each server batches, so its aggregate tokens/s at the largest level is
-#   at least twice that of one stream. Falsified by less than twice.
-# - **stops_after_leave_<server>**: each server stops generating when its clients leave, by FIN
-#   and by RST. Falsified if the median release (1: back to idle CPU, 0: carried on) is below 0.5.
-#
-# Where a third server runs (llama.cpp's `llama-server`, vLLM), set `extra_url` below to its URL
-# (for example `http://127.0.0.1:8080`, a `llama-server -m MODEL.gguf --port 8080` started by
-# hand): it is measured as it is and added as a third column. Its CPU time is not read, so its
-# disconnect row rests on a follow-up request's pace (see `labkit run disconnect --target`).
+# **What differs** is everything between the weights and the socket: the matrix products
+# themselves (labkit multiplies through its own fixed-order kernel, llama.cpp through ggml's,
+# transformers through torch's library calls; the README's step table shows how far apart those
+# are), attention, how each server assembles a step from running streams and waiting prompts, and
+# the HTTP server. So a gap between the servers is not "only the scheduling": each row is the
+# whole server. A peer that cannot run here is skipped with one line saying why and how to get it,
+# and its rows read "not measurable".
 
 # %% tags=["parameters"]
-# Parameters: papermill replaces this cell's values (`papermill -p profile_name ci`).
-# "full": SmolLM2-135M at the chapter's sizes; "ci": the tiny random Llama, a test run.
-# LABKIT_PROFILE in the environment that started Jupyter overrides the default.
+# Parameters (papermill replaces these: `papermill -p profile_name ci`). "full": SmolLM2-135M at
+# the issue's sizes; "ci": the tiny random Llama (transformers serve batches Llama models; labkit
+# and transformers serve read the same seeded weights), a test run. LABKIT_PROFILE in the
+# environment that started Jupyter sets the default. target_url "": the servers below; a URL: that
+# one server alone (the comparisons then read "not measured").
 import os
 
 profile_name = os.environ.get("LABKIT_PROFILE", "full")
-# transformers serve batches Llama models, so the ci run serves the tiny random Llama (same weights
-# for both servers: labkit's seeded model, saved once as a Hugging Face folder), not tiny GPT-2.
 model_name = "" if profile_name == "full" else "tiny-llama"
-extra_url = ""  # a third OpenAI-compatible server to measure beside them, e.g. "http://127.0.0.1:8080"
+target_url = ""
+device = "cpu"
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from IPython.display import Markdown, display
+from labkit.experiments import burst, disconnect, peers, slowclient
+from labkit.lab import run, setup, target_for
 
-from labkit.experiments import peers
-from labkit.experiments.notebook import settings_table, setup_notebook
-from labkit.experiments.progress import measuring
-from labkit.experiments.readings import quiet_line, span, verdict_lines, verdict_table
-from labkit.experiments.results import save_run
-
-profile = setup_notebook(profile_name, model_name, notebook="09_peers")
-config = peers.Config.for_profile(profile, extra_url=extra_url)
-settings_table(config)
+profile = setup("09_peers", profile_name, model_name, device=device)
+target = target_for(profile, target_url, device=device, max_batch=1, kv_cache_mb=16)
+target
 
 # %% [markdown]
-# Each server is started, measured and stopped before the next starts, so they never share the
-# two cores. If `transformers serve` cannot start here, the cell says why and the notebook goes on
-# with the servers that did.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-per_server, skipped = {}, {}
-log_dir = profile.out_root / "build" / "peers" if profile.full else profile.out_root / "peers"
-with measuring(peers, config, profile) as progress:
-    for name in (peers.LABKIT, peers.TRANSFORMERS):
-        why = peers.peer_missing() if name == peers.TRANSFORMERS else None
-        if why:
-            skipped[name] = why
-            continue
-        try:
-            with peers.serve(name, config, log_dir) as server:
-                print(f"{name}: up in {server.startup_s:.1f} s at {server.url} ({server.command})")
-                per_server[name] = peers.run(config, server=server, progress=progress)
-        except peers.TargetError as exc:
-            skipped[name] = str(exc)
-    if config.extra_url:
-        try:
-            per_server[peers.EXTRA] = peers.run(config, server=peers.Server(peers.EXTRA, config.extra_url), progress=progress)
-        except peers.TargetError as exc:
-            skipped[peers.EXTRA] = str(exc)
-tables = peers.combine(per_server)
-elapsed = progress.elapsed_s
-for name, why in skipped.items():
-    print(f"{name}: not measured: {why}")
-
-# %% [markdown]
-# ## What must hold whatever the timings
+# ## The servers
 #
-# Every stream of every round answered, at the requested length (each server's way of generating
-# past end-of-sequence, found by the probe), and the slow readers were slow.
+# labkit at each per-step token budget the sweep below needs (the default first), llama.cpp
+# (built once by `make peers`) and transformers serve, each started, probed and warmed up once.
+# The in-thread labkit above is not measured over HTTP: its model, in this process, is what the
+# engine-alone reading runs. The table says how soon each server answered, how much memory it
+# holds (one process per budget is why the sweep has few budgets), and its command; or why it is
+# not here.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+budgets = peers.LOAD.sizes_for(profile.name)["budgets"]
+lineup = peers.start(profile.model, budgets, engine=target) if not target_url else peers.as_lineup(target)
+lineup.table()
+
+# %% [markdown]
+# What each probe found: `[DONE]`, usage in streams, `stream_options`, the way past
+# end-of-sequence each accepts. Requests are built from these answers, never from a server's name.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+peers.quirks(lineup)
+
+# %% [markdown]
+# ## 1. Streams at once, beside the peers (with sections 2 and 3: one run)
+#
+# The first N prompts at once, each on its own connection, every stream the same length, on
+# labkit at its default budget and on each peer at every level; at the top level also labkit at
+# each other budget of the sweep (section 2); and one stream through the engine alone in this
+# process, no HTTP at all (section 3). One run, so every comparison below is between rounds of the
+# same run. Hypotheses, fixed before measuring; the first two are checked by CI:
+#
+# * **every stream whole**: every stream of every server ends with its own end, at the length
+#   asked for. Falsified by any stream that failed or came short.
+# * **every step within its budget**: from each labkit's step log, no step ran more prompt
+#   tokens than its budget left after the decode rows (at least one). Falsified by any step that
+#   did. A count, so it does not depend on the engine's speed.
+#
+# The rest are section 3's.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+load = run(peers.LOAD, lineup)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+load.scale()
+
+# %% [markdown]
+# Median and min–max over the rounds, per server and level: aggregate tokens/s, first token and
+# the gap between tokens, each as the median and the p99 over a round's streams.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+load.table("levels")
+
+# %% [markdown]
+# ## 2. The trade-off the budget sets
+#
+# Each step decodes every running stream first and gives what is left of its token budget to
+# prompts, in chunks. A small budget keeps every step short (smooth streams) but spreads the
+# prompts of a burst of arrivals over many steps (late first tokens); unchunked, a step prefills
+# every waiting prompt whole (early first tokens, one long gap for everyone already running). At
+# the top level, first-token median against gap p99, labkit at each budget, the peers on the same
+# axes, all from the same rounds.
+#
+# * **a smaller budget, smoother streams**: the smallest budget's gap p99 is below unchunked
+#   labkit's. Falsified if the 95% interval of the ratio lies above one; a timing, unchecked.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+load.table("tradeoff")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+load.plot();
+
+# %% [markdown]
+# ## 3. At the default budget: issue 22's targets as verdicts
+#
+# Each a ratio of medians over the rounds with a 95% bootstrap interval; "holds" only when the
+# interval lies wholly on the right side of the bar, "unclear" when it straddles it (the evidence
+# says how many rounds would decide). Timings, so none is checked by CI.
+#
+# * **gaps: p99 at most llama.cpp's**: at the top level, labkit's gap p99 over llama.cpp's.
+#   Falsified if the interval lies above one.
+# * **gaps: p99 within twice the median**: labkit's own gap p99 over its gap median. Falsified if
+#   the interval lies above two.
+# * **first token: no later than llama.cpp**: labkit's first-token median and p99 over
+#   llama.cpp's: its point dominates. Falsified if either interval lies above one.
+# * **throughput: ahead of both**: labkit's aggregate tokens/s over llama.cpp's and over
+#   transformers serve's. Falsified if the first interval lies below 1.2 or the second below two.
+# * **one stream: HTTP costs little**: one stream over HTTP against one stream through the engine
+#   alone, from submit to its last token. Falsified if the interval lies below 0.9. The ratio to
+#   llama.cpp's one stream is shown beside it.
+#
+# The servers side by side (this table is the README's):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+load.table("beside")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+load.verdict_table()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(peers.report(tables))
+print(load.checked())
 
 # %% [markdown]
-# ## What each server does differently
+# ## 4. A long prompt arrives among running streams
 #
-# The probe's answers, one column per server: `[DONE]`, usage in streams, `stream_options`, how to
-# run past end-of-sequence. Look for the rows where the columns differ.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-tables["quirks"].pivot(index="question", columns="server", values="answer")
-
-# %% [markdown]
-# ## Side by side
+# The streams of one batch decode; once every one of them has made a few tokens (the moment is
+# counted in their tokens, never in seconds, so it falls at the same point on any engine) a long
+# prompt arrives. Every gap of the running streams is sorted by what the client saw: before the
+# long prompt was sent (once all had their first token), during (the gap overlaps the span from
+# its send to its first token) and after. labkit's step log says the same from its side: the
+# steps that ran the long prompt's chunks and how long they took beside the steps before. labkit
+# at its default budget and unchunked, llama.cpp and transformers serve take turns, round by
+# round.
 #
-# Each cell is the median over the rounds with the range (min–max) in brackets. Tokens/s is the
-# aggregate over the streams of a round (tokens counted from usage where the server sends it);
-# first token is the median, and the p99, over the streams of a round at the largest level;
-# release after a disconnect is computed from the server's CPU time; the slow-reader row divides
-# the healthy streams' makespan with slow readers by the median of the same run's rounds without.
+# * **every burst stream whole** (checked): every running stream and every long prompt ends with
+#   its own end, at its length. Falsified by any that does not.
+# * **chunked: the long prompt over several steps** (checked): at the default budget the step log
+#   shows it prefilled in more than one step. Falsified by any round in one.
+# * **unchunked: in one step** (checked): unchunked labkit prefills it in one step. Falsified by
+#   any round in more or fewer.
+# * **smooth at the default budget**: the running streams' largest gap from the arrival on is at
+#   most three times their median gap before it. Falsified if the 95% interval of the ratio lies
+#   above three; a timing, unchecked.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-closing = peers.closing_table(tables)
-closing
+arrival = run(burst.BURST, lineup)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-figures = peers.plot(tables)
+arrival.scale()
 
 # %% [markdown]
-# ## Per level and per round
+# Per server, median and min–max over the rounds: the running streams' tokens when the long
+# prompt was sent and during its prefill, its first token, the gaps before, during and after,
+# the largest over the median before; from labkit's step log, its prefill steps and their length.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-tables["overlap_levels"].set_index(["server", "streams"])
+arrival.table("burst").set_index("server").T
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-tables["disconnect_verdicts"].set_index(["server", "leave_by"])
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-tables["slow_effects"].set_index(["server", "slow_readers"])
-
-# %% [markdown]
-# ## What only labkit can show
-#
-# Measurements that need a server's internals (its step log, block counts, its policies) are
-# made for labkit in notebooks 03, 05 and 06, through labkit's own `/stats` and lab routes; the
-# peers offer only the OpenAI API, so from the client's side of HTTP they are not available.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-peers.unavailable_table(tables)
-
-# %% [markdown]
-# ## Verdicts
-#
-# Computed from the tables above against the criteria stated at the top. The checked cell below
-# holds only the verdicts that come out the same under the small `ci` run and the full one.
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-found = peers.verdicts(tables)
-verdict_table(found)
+arrival.verdict_table()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(verdict_lines(v for v in found if v.name.startswith("stops_after_leave")))
+print(arrival.checked())
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-runs = tables["overlap_runs"]
-top = int(runs.level.max())
-lines = [
-    f"- {s}: {span(runs[(runs.server == s) & (runs.level == top)].tokens_per_s, '{:.1f}')} tokens/s at {top} streams, "
-    f"{span(runs[(runs.server == s) & (runs.level == 1)].tokens_per_s, '{:.1f}')} at 1, over "
-    f"{int((runs.server == s).sum() / runs.level.nunique())} rounds."
-    for s in dict.fromkeys(runs.server)
-]
-display(Markdown("\n".join(["What was measured here:", *lines])))
-written = save_run(peers, config, profile, tables, elapsed, figures, machine=progress.machine)
-print("figures:", ", ".join(p.name for p in written["figures"]), "| results:", written["results"])
-print(quiet_line(progress.machine))
+arrival.plot();
 
 # %% [markdown]
-# How to read it: the two servers run the same matrix products, so a gap in tokens/s comes from
-# what surrounds them: how requests are admitted and prefilled, how a step is assembled, what a
-# token costs on its way to the socket. Compare the first-token rows with the throughput rows: a
-# server that prefills many arrivals in one batch trades the early streams' first token for the
-# later ones'. A release near 1 after FIN and after RST means the server stopped generating for
-# clients that left; a slow-reader ratio near 1 means the slow readers cost the healthy streams
-# nothing that a client can see, whatever the server did with their backlog.
+# ## 5. Clients that leave, and one slow reader
+#
+# Two measurements of notebooks 05 and 06, run unchanged against each server, each with the best
+# witness that server offers: labkit's stream records, else the server's CPU time (each runs in a
+# process of this machine). Each server is compared only with itself (its own idle, its own rounds
+# without a slow reader), so the servers take these one after another; no ratio between servers
+# is read from them.
+#
+# Streams read a few tokens, then all leave by FIN or by RST: does the server stop generating?
+#
+# * **stops**: falsified by any usable round in which the server kept on with half the rest or
+#   more (notebook 06's criterion). Checked for labkit, whose records count the tokens; the peers'
+#   CPU readings are timings.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+stops = peers.each(disconnect.STOP, lineup)
+peers.side_by_side(stops, "rounds")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+peers.side_by_side(stops)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(peers.checked(stops))
+
+# %% [markdown]
+# One slow reader among healthy streams, paced at a share of the server's own measured write
+# rate, against the same server's rounds with none (notebook 05's measurement at its own policy).
+# The effect is the healthy streams' completion over the same round's without a slow reader,
+# judged by its 95% interval: an effect whose interval straddles one is "unclear", however large
+# its median looks, because the runs without a slow reader spread as widely.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+slow = peers.each(slowclient.POLICIES, lineup, slow_counts=(0, 1), tokens=32)
+peers.side_by_side(slow, "compare")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+peers.side_by_side(slow)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(peers.checked(slow))
+
+# %% [markdown]
+# How to read it: compare the servers' points on the trade-off figure before their rows of the
+# verdict table. A server that prefills every waiting prompt at once wins the first token of a
+# burst and pays for it in the gaps of everyone already streaming; a per-step budget moves labkit
+# along that curve, and the burst shows the same choice for a single long arrival. The checked
+# lines hold whatever the timings: every stream whole, every step within its budget, the long
+# prompt chunked at the default budget and whole unchunked, labkit stopping for clients that
+# left. The timings are judged only with their intervals, and only between rounds of one run.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+lineup.close()
+target.close()

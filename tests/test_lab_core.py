@@ -47,6 +47,13 @@ def test_conditions_run_interleaved_and_every_row_is_tagged_with_its_condition_a
     assert len(result.table("detail")) == 12 and set(result.table("detail").columns) == {"value", "repetition", "part"}
 
 
+def test_an_alternating_spec_runs_its_conditions_backwards_every_other_repetition(out):
+    seen = []
+    run(spec(lambda t: seen.append(t.value) or {}, alternate=True), target(), profile=PROFILE, show=False)
+    assert seen == [1, 2, 3, 3, 2, 1]
+    assert (out / "data" / "target-toy").is_dir() and not (out / "data" / "toy").exists()  # not a server the lab started
+
+
 def test_overrides_change_sizes_by_name_and_refuse_unknown_names():
     result = run(spec(lambda t: {"v": t.value}), target(), profile=PROFILE, show=False, values=[5], repetitions=1)
     assert list(result.table().value) == [5] and result.sizes["values"] == (5,)

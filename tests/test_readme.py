@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -46,3 +47,16 @@ def test_the_attention_table_shows_each_cell_with_its_spread_and_the_ratios(tmp_
     out = readme.render("<!-- data: bench_attention -->\n<!-- /data -->\n", tmp_path)
     assert "| 512 | 32 | 810.0 | 100.0 (90.0–120.0) | 50.0 (45.0–60.0) | 0.50 |" in out
     assert "3 interleaved repetitions" in out
+
+
+def test_the_peers_table_puts_each_server_in_a_column_with_the_runs_provenance(tmp_path):
+    folder = tmp_path / "peers" / "load"
+    folder.mkdir(parents=True)
+    pd.DataFrame([{"measurement": "tokens/s, 32 streams", "labkit": "260.0 (250.0–270.0)", "llama.cpp": "211.0"}]).to_csv(
+        folder / "beside.csv", index=False)
+    record = {"sizes": {"repetitions": 3}, "environment": {"git_commit": "abcdef0123", "date": "2026-12-02T10:00:00"},
+              "machine": {"loadavg_before": [0.25, 0.3, 0.3]}}
+    (folder / "results.json").write_text(json.dumps(record))
+    out = readme.render("<!-- data: peers -->\n<!-- /data -->\n", tmp_path)
+    assert "| | labkit | llama.cpp |" in out and "| tokens/s, 32 streams | 260.0 (250.0–270.0) | 211.0 |" in out
+    assert "3 interleaved rounds: commit abcdef0, 2026-12-02, load average 0.25 before" in out

@@ -12,7 +12,8 @@ __all__ = ["GROUPS", "specs", "names", "published"]
 
 #: the notebook experiments, in the order ``labkit run all`` runs them
 GROUPS = (
-    "wire", "isolation", "overlap", "buffers", "slowclient", "disconnect", "leak", "extensions", "production", "edge",
+    "wire", "isolation", "overlap", "buffers", "slowclient", "disconnect", "leak", "extensions", "production", "peers",
+    "burst", "edge",
 )  # fmt: skip
 
 

@@ -1,408 +1,435 @@
-"""Notebook 09: labkit beside a peer, ``transformers serve``, measured by the same client.
+"""Notebook 09: labkit beside its peers, llama.cpp's ``llama-server`` and ``transformers serve``.
 
-Why: a lab that only measures its own server cannot say whether its numbers are good. Here
-``labkit serve`` and ``transformers serve --continuous-batching`` run one after another as
-processes of this interpreter on 127.0.0.1, with the same weights (one saved Hugging Face folder:
-SmolLM2-135M under ``full``, the tiny random Llama under ``ci``), float32, CPU, each with a KV
-cache of the same size, and the client-side experiments of :mod:`labkit.experiments.target_runs`
-run against each: the overlap sweep, the disconnect probe (witnessed by the server's CPU time,
-since it is local) and the slow-reader probe. Every request is built from what the probe found
-(:mod:`labkit.experiments.target_probe`), never from the server's name.
+Every server runs in a process of its own on 127.0.0.1, started once by :func:`start` and kept up
+(idle while another is measured): ``labkit serve`` at each per-step token budget the sweep needs,
+llama.cpp on the float32 GGUF of the same weights (``make peers`` builds it), transformers serve
+on the saved Hugging Face folder of them; float32, the same threads, the same prompts, read by the
+same client over the same OpenAI route. Each is probed, never named: every request is built from
+what its probe found (with llama.cpp's prompt cache off in every request).
 
-A third server (llama.cpp's ``llama-server``, vLLM) joins as a column when its URL is given; it
-is measured as it is (it is not started or stopped here, and its CPU time is not read).
+A :class:`Lineup` is one target whose conditions name a server, so the runner interleaves the
+servers round by round like any other conditions, the order reversed every other round. A peer
+that cannot run here is a "not measurable" row saying why and how to get it.
+
+* :data:`LOAD`: N streams at once on labkit (default budget) and each peer; at the top level also
+  labkit at every other budget (first token against gaps: the trade-off the budget sets); one
+  stream through the engine alone, in this process (``target.loaded``), beside them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from functools import partial
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pandas as pd
 
-from labkit.experiments.profiles import Profile, repo_root
-from labkit.experiments.progress import Progress, doing
-from labkit.experiments.readings import Verdict, current_step, fetch_steps, span
-from labkit.experiments.target import Target, TargetError
-from labkit.experiments.target_disconnect import DisconnectConfig, run_disconnect
-from labkit.experiments.target_probe import connect, quirks_table
-from labkit.experiments.target_runs import OverlapConfig, run_overlap
-from labkit.experiments.target_slow import SlowConfig, run_slow
-from labkit.experiments.waiting import WaitTimeout, wait_for
+from labkit.engine.config import DEFAULT_STEP_TOKENS
+from labkit.lab import Experiment, LocalLab, NotMeasurable, Process, Sizes, Target, TargetError, Trial, quirks_table
+from labkit.lab.probe import probe
+from labkit.lab.profiles import repo_root
+from labkit.lab.runner import run
+from labkit.lab.target import free_port
+from labkit.lab.verdict import interval, judge, span, spread, tell
+from labkit.machine import resident_mib
+from labkit.prompts import cycle
 
-__all__ = ["NAME", "Config", "Server", "serve", "run", "combine", "closing_table", "verdicts", "report", "plot"]
-
-NAME = "peers"
-LABKIT, TRANSFORMERS, EXTRA = "labkit", "transformers serve", "third server"
-
-
-@dataclass(frozen=True)
-class Config:
-    model: str  # labkit's name for the model; the peer serves the same weights from its saved folder
-    overlap: OverlapConfig = field(default_factory=OverlapConfig)
-    disconnect: DisconnectConfig = field(default_factory=DisconnectConfig)
-    slow: SlowConfig = field(default_factory=SlowConfig)
-    block_size: int = 16
-    num_blocks: int = 1024  # the same KV cache for both: num_blocks x block_size tokens
-    threads: int = 2
-    start_timeout_s: float = 240.0
-    extra_url: str = ""  # a third server's URL (llama-server, vLLM), measured as it is
-
-    @classmethod
-    def for_profile(cls, profile: Profile, extra_url: str = "") -> Config:
-        threads = max(1, min(2, os.cpu_count() or 1))
-        if profile.model not in ("smollm2-135m", "tiny-llama"):
-            raise ValueError(
-                f"peers: the peer needs a saved Llama folder: smollm2-135m or tiny-llama, got {profile.model!r}"
-            )
-        if profile.full:
-            return cls(
-                profile.model,
-                OverlapConfig(levels=(1, 4, 16, 32), repetitions=3, max_tokens=64),
-                DisconnectConfig(streams=8, max_tokens=1024, hold_s=1.5, window_s=1.5, repetitions=3),
-                SlowConfig(healthy=4, slow=(0, 2), max_tokens=64),
-                num_blocks=1024,
-                threads=threads,
-                extra_url=extra_url,
-            )
-        return cls(
-            profile.model,
-            OverlapConfig(levels=(1, 2, 4), repetitions=3, max_tokens=16),
-            # read 0.1 s of 470 tokens (the context holds 512): labkit makes 25-45 by then, so its
-            # streams are still running when the clients leave on an engine 3x faster (0.5 s of 400
-            # made 150-235, and 2.5x that hold saw every stream end before its client left)
-            DisconnectConfig(streams=4, max_tokens=470, hold_s=0.1, window_s=0.5, follow_up_tokens=8, repetitions=3),
-            SlowConfig(healthy=3, slow=(0, 2), max_tokens=16),
-            num_blocks=256,
-            threads=threads,
-            start_timeout_s=120.0,
-            extra_url=extra_url,
-        )
-
-    def units(self) -> int:
-        per_server = self.overlap.units + self.disconnect.units + self.slow.units
-        return per_server * (2 + bool(self.extra_url))
+LABKIT, UNCHUNKED, LLAMA, TRANSFORMERS, ENGINE = (
+    "labkit", "labkit unchunked", "llama.cpp", "transformers serve", "engine alone")  # fmt: skip
+PEERS = (LLAMA, TRANSFORMERS)
+SERVING = ("fastapi", "uvicorn", "openai", "rich", "pydantic")  # what transformers serve imports
+TRANSFORMERS_CLI = "import sys; from transformers.cli.transformers import main; sys.argv[0] = 'transformers'; main()"
+WARM_STREAMS, WARM_TOKENS = 4, 8
 
 
-def units(config: Config) -> int:
-    return config.units()
+def labkit_name(budget: int | None) -> str:
+    return LABKIT if budget == DEFAULT_STEP_TOKENS else UNCHUNKED if budget is None else f"labkit, budget {budget}"
 
 
 # --------------------------------------------------------------------------- the servers
 
 
-@dataclass(frozen=True)
-class Server:
-    """A server to measure: its name, URL, process id (when started here) and start-up time."""
+class Lineup(Target):
+    """Servers the lab started once and keeps up, by name (``missing``: each one that could not
+    start, and why); ``budgets``: each labkit's per-step token budget; ``loaded``: the model in
+    this process, for the engine-alone reading. As a target, it is its labkit's URL."""
 
-    name: str
-    url: str
-    pid: int | None = None
-    startup_s: float = float("nan")
-    command: str = ""
+    lab_owned = True
+
+    def __init__(self, servers: dict[str, Target], missing: dict[str, str], budgets: dict[str, int | None],
+                 loaded: Any = None, up_s: dict[str, float] | None = None) -> None:  # fmt: skip
+        first = next(iter(servers.values()))
+        super().__init__(first.url, api=first.api, model=first.model, name=" + ".join(servers))
+        self.servers, self.missing, self.budgets, self.loaded = servers, missing, budgets, loaded
+        self.up_s = up_s or {}
+
+    def server(self, name: str) -> Target:
+        if name in self.servers:
+            return self.servers[name]
+        raise NotMeasurable(name, self.missing.get(name, f"this lineup started no {name} (peers.start(...))"))
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            with contextlib.suppress(Exception):
+                server.close()
+
+    def table(self) -> pd.DataFrame:
+        """Each server: up (how soon, its memory, its command) or not measurable, and why."""
+        rows = [{"server": n, "status": f"up in {self.up_s.get(n, float('nan')):.1f} s at {s.url}",
+                 "resident MiB": None if s.pid is None else resident_mib(s.pid),
+                 "command": " ".join(Path(a).name if "/" in a else a for a in getattr(s, "command", [])[:14])}
+                for n, s in self.servers.items()]  # fmt: skip
+        rows += [{"server": n, "status": f"not measurable: {why}"} for n, why in self.missing.items()]
+        return pd.DataFrame(rows).set_index("server")
 
 
-def model_folder(model: str) -> Path:
-    """The saved Hugging Face folder both servers read: labkit's SmolLM2 cache, or the tiny Llama
-    saved once (its weights are seeded, so labkit's ``tiny-llama`` is the same model)."""
+def as_lineup(target: Target) -> Lineup:
+    """``target`` itself when it is a lineup; any other target as a lineup of one."""
+    if isinstance(target, Lineup):
+        return target
+    if isinstance(target, LocalLab):
+        budget = target.settings.get("step_tokens", DEFAULT_STEP_TOKENS)
+        return Lineup({labkit_name(budget): target}, {}, {labkit_name(budget): budget}, target.loaded)
+    return Lineup({target.name: target}, {}, {})
+
+
+def each(spec: Experiment, target: Target, **sizes: Any) -> dict:
+    """``spec`` against labkit and each peer in turn (each is compared with itself: its own idle,
+    its own rounds without the effect), unsaved: one server's run would overwrite another's under
+    ``<data>/target-<group>/``. A missing server: one line saying why."""
+    lineup, out = as_lineup(target), {}
+    for name in (LABKIT, *PEERS) if isinstance(target, Lineup) else lineup.servers:
+        if name in lineup.missing:
+            print(f"{name}: not measurable, because {lineup.missing[name]}")
+        elif name in lineup.servers:
+            out[name] = run(spec, lineup.servers[name], save=False, **sizes)
+    return out
+
+
+def side_by_side(results: dict[str, Any], table: str = "") -> pd.DataFrame:
+    """Each server's ``table`` (empty: its verdicts), one below the other, the server as the first index."""
+    return pd.concat({n: r.verdict_table() if not table else r.table(table) for n, r in results.items()},
+                     names=["server"])  # fmt: skip
+
+
+def checked(results: dict[str, Any]) -> str:
+    """labkit's checked lines of :func:`each`'s results: which peers run differs between machines."""
+    return results[LABKIT].checked() if LABKIT in results else ""
+
+
+def quirks(target: Target) -> pd.DataFrame:
+    """What each server's probe found, one column a server."""
+    return pd.DataFrame({n: quirks_table(s).set_index("question").answer for n, s in as_lineup(target).servers.items()})
+
+
+def start(
+    model: str, budgets: tuple[int | None, ...] = (DEFAULT_STEP_TOKENS, None), *, peers: tuple[str, ...] = PEERS,
+    engine: Target | None = None, num_blocks: int = 384, threads: int = 2, log_dir: Path | None = None,
+) -> Lineup:  # fmt: skip
+    """labkit at each budget (the default first) and the peers, each started, probed and warmed up
+    once; a peer that cannot start is kept as a reason. ``num_blocks`` of 16 tokens: every cache.
+    The servers' output goes to ``log_dir`` (default ``build/peers/`` in the checkout)."""
+    log_dir = log_dir or repo_root() / "build" / "peers"
+    env = {"OMP_NUM_THREADS": str(threads)}
+    make: dict[str, Callable[[], Process]] = {
+        labkit_name(b): partial(Process.labkit, model, api="openai", env=env, num_blocks=num_blocks, max_batch=32,
+                                step_tokens="none" if b is None else b, log_level="warning")
+        for b in dict.fromkeys((DEFAULT_STEP_TOKENS, *budgets))}  # fmt: skip
+    make |= {p: partial(PEER_STARTS[p], model, num_blocks, env, log_dir) for p in peers}
+    servers: dict[str, Target] = {}
+    missing: dict[str, str] = {}
+    up_s: dict[str, float] = {}
+    try:
+        for name, starter in make.items():
+            began = time.perf_counter()
+            try:
+                server = probe(starter())
+                server.name = name
+                servers[name] = server
+                server.launch([server.request(p, WARM_TOKENS) for p in cycle(WARM_STREAMS)])  # a first run is slower
+                up_s[name] = time.perf_counter() - began
+            except (TargetError, NotMeasurable) as exc:
+                missing[name] = getattr(exc, "because", str(exc))
+                with contextlib.suppress(Exception):
+                    servers.pop(name).close()
+        if LABKIT not in servers:
+            raise TargetError(model, f"labkit serve did not start: {missing.get(LABKIT)}")
+    except BaseException:
+        for server in servers.values():
+            server.close()
+        raise
+    budget_of = {labkit_name(b): b for b in (DEFAULT_STEP_TOKENS, *budgets)}
+    loaded = getattr(engine, "loaded", None) if engine is not None and engine.caps.engine else None
+    return Lineup(servers, missing, {n: b for n, b in budget_of.items() if n in servers}, loaded, up_s)
+
+
+def _log(log_dir: Path, name: str) -> Path:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return log_dir / f"{name.split()[0].replace('.', '_')}.log"
+
+
+def _llama(model: str, num_blocks: int, env: dict[str, str], log_dir: Path) -> Process:
+    from labkit.peers import PeerMissing, llama_server
+
+    found = llama_server()
+    if isinstance(found, PeerMissing):
+        raise NotMeasurable(LLAMA, found.reason)
+    if model != "smollm2-135m":
+        raise NotMeasurable(LLAMA, f"its GGUF holds SmolLM2-135M's weights, and this run serves {model}")
+    port = free_port()
+    # one KV pool shared by the slots, as labkit's blocks are: split 32 ways, 8192 tokens hold 256 a slot, too
+    # few for the burst's long prompt
+    command = [*found.command(port, parallel=32, context=8192, threads=int(env["OMP_NUM_THREADS"])), "--kv-unified"]
+    return Process(command, f"http://127.0.0.1:{port}", health="/health", log=_log(log_dir, LLAMA),
+                   extra_body={"cache_prompt": False}, name=LLAMA)  # fmt: skip
+
+
+def _transformers(model: str, num_blocks: int, env: dict[str, str], log_dir: Path) -> Process:
+    lacking = [m for m in SERVING if find_spec(m) is None]
+    if lacking:
+        raise NotMeasurable(TRANSFORMERS, f"it needs transformers[serving] (missing {', '.join(lacking)}): "
+                            "pip install 'transformers[serving]'")  # fmt: skip
+    port = free_port()  # a batch of at most 4096 tokens: with its own choice it made a third fewer tokens/s here
+    command = [sys.executable, "-c", TRANSFORMERS_CLI, "serve", str(hf_folder(model)), "--continuous-batching",
+               "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+               "--cb-block-size", "16", "--cb-num-blocks", str(num_blocks), "--log-level", "info",
+               "--cb-max-batch-tokens", "4096"]  # fmt: skip
+    return Process(command, f"http://127.0.0.1:{port}", health="/health", log=_log(log_dir, TRANSFORMERS), env=env,
+                   name=TRANSFORMERS)  # fmt: skip
+
+
+PEER_STARTS = {LLAMA: _llama, TRANSFORMERS: _transformers}
+
+
+def hf_folder(model: str) -> Path:
+    """The saved Hugging Face folder of the very weights labkit serves as ``model``."""
     from labkit.models.cache_dir import cached_folder
+    from labkit.models.smollm2 import saved_folder
 
     if model == "smollm2-135m":
-        from labkit.models.smollm2 import _convert_gguf
-
-        return cached_folder("smollm2-135m", _convert_gguf)
-    if model == "tiny-llama":
+        return saved_folder()
+    if model == "tiny-llama":  # seeded: the same weights labkit builds, saved once
         return cached_folder("tiny-llama-hf", _save_tiny_llama)
-    raise ValueError(f"peers: no saved folder for {model!r} (smollm2-135m or tiny-llama)")
+    raise NotMeasurable(TRANSFORMERS, f"it batches Llama models from a saved folder (smollm2-135m or tiny-llama), "
+                        f"not {model}")  # fmt: skip
 
 
 def _save_tiny_llama(dest: Path) -> None:
-    from labkit.models.tiny import tiny_llama
+    from labkit import load_model
 
-    loaded = tiny_llama()
+    loaded = load_model("tiny-llama")
     loaded.model.save_pretrained(str(dest))
     loaded.tokenizer.save_pretrained(str(dest))
 
 
-def peer_missing() -> str | None:
-    """Why ``transformers serve`` cannot run here (its serving extra), or None."""
-    missing = [m for m in ("fastapi", "uvicorn", "openai", "rich", "pydantic") if importlib.util.find_spec(m) is None]
-    if missing:
-        return f"transformers serve needs transformers[serving]; missing: {', '.join(missing)}"
-    return None
+# --------------------------------------------------------------------------- load: levels, budgets, the engine
 
 
-def command(name: str, config: Config, port: int) -> list[str]:
-    """The argv that starts ``name`` on ``port``: this interpreter, same weights, same cache size."""
-    if name == LABKIT:
-        return [
-            sys.executable, "-m", "labkit.cli", "serve", "--model", config.model, "--port", str(port),
-            "--host", "127.0.0.1", "--block-size", str(config.block_size), "--num-blocks", str(config.num_blocks),
-            "--log-level", "warning", "--lab-routes",  # GET /lab/steps: labkit's step log
-        ]  # fmt: skip
-    folder = model_folder(config.model)
-    script = (
-        "import sys; from transformers.cli.transformers import main; sys.argv[0] = 'transformers'; sys.exit(main())"
-    )
-    return [
-        sys.executable, "-c", script, "serve", str(folder), "--continuous-batching", "--device", "cpu",
-        "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
-        "--cb-block-size", str(config.block_size), "--cb-num-blocks", str(config.num_blocks),
-        "--cb-max-batch-tokens", str(4 * 1024), "--log-level", "info",
+METRICS = ["tokens_per_s", "ttft_p50_s", "ttft_p99_s", "gap_p50_s", "gap_p99_s"]
+SAID = dict(zip(METRICS, ("tokens/s", "first token median", "first token p99", "gap median", "gap p99")))
+
+
+def load_conditions(s: Sizes, target: Target) -> list[dict[str, Any]]:
+    """labkit (default budget) and each peer at every level; labkit at the sweep's other budgets
+    at the top level only (a lineup's servers, or a labkit in this process started with each); the
+    engine alone at one stream, where its model is in this process."""
+    lineup, top = as_lineup(target), max(s.levels)
+    main = [n for n in (LABKIT, *PEERS) if n in lineup.servers or n in lineup.missing] or list(lineup.servers)
+    out = [{"server": n, "level": level} for level in s.levels for n in main]
+    out += [{"server": labkit_name(b), "level": top} for b in s.budgets if labkit_name(b) not in main]
+    return out + ([{"server": ENGINE, "level": 1}] if lineup.loaded is not None and 1 in s.levels else [])
+
+
+def budget_settings(s: Sizes, c: dict[str, Any]) -> dict[str, Any]:
+    """A labkit the lab starts with settings (in this process): the condition's budget."""
+    known = {labkit_name(b): b for b in (DEFAULT_STEP_TOKENS, None, *(s["budgets"] if "budgets" in s else ()))}
+    return {"step_tokens": known[c["server"]]} if c["server"] in known else {}
+
+
+def prepare_load(target: Target, s: Sizes) -> dict[str, Any]:
+    from labkit import BatchEngine, EngineConfig
+
+    lineup = as_lineup(target)
+    engine = None
+    if lineup.loaded is not None:
+        engine = BatchEngine(lineup.loaded, EngineConfig(max_batch=1, num_blocks=max(8, s.tokens // 8)))
+        engine_alone(engine, WARM_TOKENS)
+    return {"engine": engine}
+
+
+def engine_alone(engine: Any, tokens: int) -> dict[str, Any]:
+    """One stream through the engine in this process, no HTTP: from submit to its last token."""
+    start = time.perf_counter()
+    engine.submit(cycle(1)[0], max_new_tokens=tokens, ignore_eos=True)
+    made, last = 0, start
+    while engine.has_work():
+        for event in engine.step():
+            if hasattr(event, "token_id"):
+                made, last = made + 1, event.time
+    return {"makespan_s": last - start, "tokens": made, "tokens_per_s": made / (last - start), "streams": 1,
+            "whole": int(made == tokens), "failed": 0}  # fmt: skip
+
+
+def measure_load(trial: Trial) -> dict[str, Any]:
+    s, lineup = trial.sizes, as_lineup(trial.target)
+    if trial.server == ENGINE:
+        return engine_alone(trial.state["engine"], s.tokens)
+    server = lineup.server(trial.server)
+    since = server.current_step() if server.caps.lab else None
+    done = server.launch([server.request(p, s.tokens) for p in cycle(trial.level)])
+    row = {**done.row(), "streams": trial.level, "whole": sum(x.ok and x.tokens == s.tokens for x in done.streams)}
+    if trial.server in lineup.budgets:
+        budget = lineup.budgets[trial.server]
+        row["budget"] = "unchunked" if budget is None else str(budget)
+        if since is not None:
+            steps = server.steps(since)
+            row.update(steps=len(steps), over_budget=over_budget(steps, budget))
+    return row
+
+
+def over_budget(steps: pd.DataFrame, budget: int | None) -> int:
+    """Steps whose prompt tokens passed what the budget left after the decode rows (at least one)."""
+    if budget is None:
+        return 0
+    return int((steps.prefill_tokens > np.maximum(1, budget - steps.decoded)).sum())
+
+
+def load_tables(t: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
+    rows, top = t["rows"], max(s.levels)
+    at_top = rows[(rows.level == top) & (rows.server != ENGINE)]
+    tradeoff = spread(at_top, "server", ["ttft_p50_s", "gap_p99_s", "gap_p50_s", "tokens_per_s"])
+    budgets = at_top.groupby("server").budget.first() if "budget" in at_top else pd.Series(dtype=str)
+    tradeoff.insert(1, "budget", tradeoff.server.map(budgets).fillna(""))
+    return {"levels": spread(rows, ["server", "level"], [c for c in METRICS if c in rows]),
+            "tradeoff": tradeoff, "beside": beside(rows, top)}  # fmt: skip
+
+
+def beside(rows: pd.DataFrame, top: int) -> pd.DataFrame:
+    """The README's table: one column a server, each cell median (min–max) over the rounds."""
+    cells = {}
+    for name in [n for n in (LABKIT, *PEERS, ENGINE) if n in set(rows.server)]:
+        g = rows[rows.server == name]
+        one, many = g[g.level == 1], g[g.level == top]
+        cells[name] = {"tokens/s, one stream": span(one.tokens_per_s, "{:.1f}"),
+                       f"tokens/s, {top} streams": span(many.tokens_per_s, "{:.1f}"),
+                       **{f"{what}, {top} streams (ms)": span(1e3 * many[col] if col in many else [], "{:.0f}")
+                          for what, col in (("first token, median", "ttft_p50_s"), ("first token, p99", "ttft_p99_s"),
+                                            ("gap, median", "gap_p50_s"), ("gap, p99", "gap_p99_s"))}}  # fmt: skip
+    return pd.DataFrame(cells).rename_axis("measurement").reset_index()
+
+
+def ratio(rows: pd.DataFrame, a: str, b: str, column: str, level: int, null: float, better: Any) -> tuple:
+    """Whether ``a``'s ``column`` over ``b``'s (medians over rounds, a 95% bootstrap interval) lies
+    on the ``better`` side of ``null``, and the evidence; unclear where either was not measured."""
+    x, y = (rows[(rows.server == n) & (rows.level == level)][column].dropna() for n in (a, b))
+    if x.empty or y.empty:
+        return None, f"{b if y.empty else a}: not measured"
+    decided, text = tell(interval(x.to_numpy(), others=y.to_numpy()), null, better)
+    return decided, f"{a}/{b} {SAID.get(column, column)}: {text}"
+
+
+def both(*told: tuple) -> tuple:
+    outcomes = [d for d, _ in told]
+    return False if False in outcomes else None if None in outcomes else True, "; ".join(e for _, e in told)
+
+
+def load_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
+    rows, top = t["rows"], max(s.levels)
+    short = {n: f"{int(g.whole.sum())}/{int(g.streams.sum())}" for n, g in rows.groupby("server", sort=False)}
+    budgets = [b for b in s.budgets if labkit_name(b) in set(rows.server)]
+    one = ratio(rows, LABKIT, ENGINE, "tokens_per_s", 1, 0.9, "above")
+    out = [
+        judge("every stream whole", "every stream of every server ends with its own end, at the length asked for",
+              "any stream failed or came short", bool((rows.whole == rows.streams).all()),
+              ", ".join(f"{n}: {w}" for n, w in short.items()), checked=True),
+        judge("every step within its budget", "every labkit step ran its decode rows and at most the rest of its "
+              "token budget in prompt tokens (at least one)", "any step of any budget ran more",
+              None if "over_budget" not in rows else not rows.over_budget.fillna(0).any(),
+              f"{int(rows.get('over_budget', pd.Series(dtype=float)).fillna(0).sum())} steps over",
+              checked=True),
+        judge("gaps: p99 at most llama.cpp's", f"labkit's gap p99 at {top} streams is at most llama.cpp's",
+              "the 95% interval of the ratio lies above 1", *ratio(rows, LABKIT, LLAMA, "gap_p99_s", top, 1.0, "below")),
+        judge("gaps: p99 within twice the median", f"labkit's gap p99 at {top} streams is at most twice its own gap "
+              "median", "the 95% interval of p99 over median lies above 2", *_own_gaps(rows, top)),
+        judge("first token: no later than llama.cpp", f"labkit's first-token median and p99 at {top} streams are at "
+              "most llama.cpp's", "either ratio's 95% interval lies above 1",
+              *both(*(ratio(rows, LABKIT, LLAMA, c, top, 1.0, "below") for c in ("ttft_p50_s", "ttft_p99_s")))),
+        judge("throughput: ahead of both", f"labkit's tokens/s at {top} streams is at least 1.2× llama.cpp's and 2× "
+              "transformers serve's", "either ratio's 95% interval lies below its bar",
+              *both(ratio(rows, LABKIT, LLAMA, "tokens_per_s", top, 1.2, "above"),
+                    ratio(rows, LABKIT, TRANSFORMERS, "tokens_per_s", top, 2.0, "above"))),
+        judge("one stream: HTTP costs little", "one stream over HTTP makes at least 0.9× the tokens/s of the engine "
+              "alone", "the 95% interval of the ratio lies below 0.9", one[0],
+              f"{one[1]}; beside it, {ratio(rows, LABKIT, LLAMA, 'tokens_per_s', 1, 1.0, 'above')[1]}"),
     ]  # fmt: skip
-
-
-@contextlib.contextmanager
-def serve(name: str, config: Config, log_dir: Path) -> Iterator[Server]:
-    """Start server ``name`` as a child process on a free loopback port; stop it on the way out
-    (SIGINT, then SIGKILL after 10 s: transformers serve can leave a thread spinning after its
-    shutdown). Raises :class:`TargetError` (one line) when it does not answer in time."""
-    port = _free_port()
-    argv = command(name, config, port)
-    env = {**os.environ, "PYTHONPATH": str(repo_root()), "OMP_NUM_THREADS": str(config.threads)}
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log = log_dir / f"{name.split()[0]}.log"
-    url = f"http://127.0.0.1:{port}"
-    t0 = time.perf_counter()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, cwd=repo_root(), env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        _wait_until_up(url, proc, config.start_timeout_s, log, name)
-        shown = " ".join(Path(a).name for a in argv[3:])
-        yield Server(name, url, proc.pid, time.perf_counter() - t0, f"{name.split()[0]} {shown}")
-    finally:
-        stop(proc, log)
-
-
-def stop(proc: subprocess.Popen, log: Path | None = None, grace_s: float = 10.0) -> None:
-    """SIGINT, then SIGKILL once the server says it finished (transformers serve keeps a thread
-    spinning at full CPU after "Finished server process") or after ``grace_s``; always reaped."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-
-        def finished() -> bool:
-            return proc.poll() is not None or (
-                log is not None and b"Finished server process" in log.read_bytes()[-4096:]
-            )
-
-        with contextlib.suppress(WaitTimeout):  # then it is killed
-            wait_for(finished, timeout=grace_s, what="the server to finish", interval=0.05)
-        if proc.poll() is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(0.2)  # its own exit, if it comes, comes now
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(10)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_until_up(url: str, proc: subprocess.Popen, timeout: float, log: Path, name: str) -> None:
-    def up() -> bool:
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-            raise TargetError(url, f"{name} exited with status {proc.returncode}: {tail[0][:200]}")
-        try:
-            return httpx.get(url + "/v1/models", timeout=2, trust_env=False).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(up, timeout=timeout, what=f"{name} to answer GET /v1/models", interval=0.25)
-    except WaitTimeout as exc:
-        raise TargetError(url, f"{name} did not answer GET /v1/models within {timeout:g} s (log: {log})") from exc
-
-
-# --------------------------------------------------------------------------- measuring one
-
-
-def run(config: Config, server: Server, progress: Progress | None = None) -> dict[str, pd.DataFrame]:
-    """The three client-side experiments against ``server``; every table has a ``server`` column."""
-    doing(progress, f"{server.name}: probing {server.url}")
-    target: Target = connect(server.url, pid=server.pid, timeout=120.0)
-    tables: dict[str, pd.DataFrame] = {"quirks": quirks_table(target)}
-    first_step = current_step(server.url) if server.name == LABKIT else 0
-    measured = {
-        "overlap": run_overlap(target, config.overlap, progress),
-        "disconnect": run_disconnect(target, config.disconnect, progress),
-        "slow": run_slow(target, config.slow, progress),
-    }
-    for prefix, parts in measured.items():
-        tables.update({f"{prefix}_{table_name}": table for table_name, table in parts.items()})
-    if server.name == LABKIT:  # the only server here with a step log (GET /lab/steps)
-        tables["steps"] = fetch_steps(server.url, since=first_step)
-    tables["servers"] = pd.DataFrame(
-        [
-            {
-                "startup_s": server.startup_s,
-                "command": server.command,
-                "model": target.model,
-                "eos_flag": target.quirks.eos_flag,
-            }
-        ]
-    )
-    return {name: table.assign(server=server.name) for name, table in tables.items()}
-
-
-def combine(per_server: dict[str, dict[str, pd.DataFrame]]) -> dict[str, pd.DataFrame]:
-    """One table per kind, the servers' rows one after another."""
-    names = [n for tables in per_server.values() for n in tables]
-    return {
-        n: pd.concat([t[n] for t in per_server.values() if n in t], ignore_index=True) for n in dict.fromkeys(names)
-    }
-
-
-# --------------------------------------------------------------------------- reading them
-
-
-def closing_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """The servers side by side: tokens/s per level, first token median and p99, release after a
-    disconnect, the slow-reader effect; each as median (min–max) over the rounds."""
-    runs, rows = tables["overlap_runs"], {}
-    servers = list(dict.fromkeys(runs.server))
-    for level in sorted(runs.level.unique()):
-        rows[f"tokens/s at {level} streams"] = {
-            s: span(runs[(runs.server == s) & (runs.level == level)].tokens_per_s, "{:.1f}") for s in servers
-        }
-    top = runs.level.max()
-    for col, what in (("ttft_p50_s", "median"), ("ttft_p99_s", "p99")):
-        rows[f"first token {what} at {top} streams (ms)"] = {
-            s: span(1e3 * runs[(runs.server == s) & (runs.level == top)][col], "{:.0f}") for s in servers
-        }
-    d = tables.get("disconnect_runs", pd.DataFrame(columns=["server", "leave_by"]))
-    for how in ("fin", "rst"):
-        rows[f"release after {how.upper()} (1 = back to idle)"] = {
-            s: span(d[(d.server == s) & (d.leave_by == how)].cpu_release, "{:.2f}") for s in servers
-        }
-    slow = tables.get("slow_runs", pd.DataFrame(columns=["server", "slow_readers"]))
-    for k in sorted(k for k in slow.slow_readers.unique() if k):
-        part = slow[slow.slow_readers == k]
-        rows[f"healthy makespan with {k} slow readers / without"] = {
-            s: span(part[part.server == s].effect, "{:.2f}") for s in servers
-        }
-        rows[f"slow readers' achieved read ratio (k={k})"] = {
-            s: span(part[part.server == s].achieved_ratio, "{:.2f}") for s in servers
-        }
-    started = tables["servers"].set_index("server").startup_s
-    rows["start-up until /v1/models answers (s)"] = {s: f"{started.get(s, float('nan')):.1f}" for s in servers}
-    return pd.DataFrame(rows).T.rename_axis("measurement")
-
-
-def _median(runs: pd.DataFrame, server: str, level: int, col: str = "tokens_per_s") -> float:
-    part = runs[(runs.server == server) & (runs.level == level)][col]
-    return float(part.median()) if len(part) else float("nan")
-
-
-def verdicts(tables: dict[str, pd.DataFrame]) -> list[Verdict]:
-    runs = tables["overlap_runs"]
-    servers = list(dict.fromkeys(runs.server))
-    top = int(runs.level.max())
-    out = []
-    if TRANSFORMERS in servers:
-        ours, theirs = _median(runs, LABKIT, top), _median(runs, TRANSFORMERS, top)
-        out.append(
-            Verdict(
-                "throughput_vs_peer",
-                "labkit's aggregate tokens/s at the largest level is at least transformers serve's",
-                "labkit's median tokens/s at the largest level is below transformers serve's",
-                ours >= theirs,
-                f"{top} streams: labkit {ours:.1f}, transformers serve {theirs:.1f} tokens/s (medians of rounds)",
-            )
-        )
-    for s in servers:
-        one, many = _median(runs, s, 1), _median(runs, s, top)
-        out.append(
-            Verdict(
-                f"overlap_{_key(s)}",
-                f"{s} batches: its aggregate tokens/s at the largest level is at least twice one stream's",
-                "less than twice the tokens/s of one stream at the largest level",
-                many >= 2 * one,
-                f"{s}: {many:.1f} at {top} streams vs {one:.1f} at 1 ({many / one:.2f}x)",
-            )
-        )
-    d = tables.get("disconnect_runs")
-    if d is not None and "streams_left" in d:
-        d = d[d.streams_left > 0]  # a round whose streams all ended before the leave witnesses nothing
-    if d is not None and len(d):
-        for s in servers:
-            part = d[d.server == s].cpu_release
-            if part.notna().any():
-                out.append(
-                    Verdict(
-                        f"stops_after_leave_{_key(s)}",
-                        f"{s} stops generating when its clients leave by FIN or RST",
-                        "median release below 0.5 after FIN or after RST (server CPU time)",
-                        bool(d[d.server == s].groupby("leave_by").cpu_release.median().min() >= 0.5),
-                        f"{s}: release {span(part, '{:.2f}')} over {len(part)} rounds",
-                    )
-                )
+    if len(budgets) > 1 and None in budgets:
+        low = labkit_name(min(b for b in budgets if b is not None))
+        out.append(judge("a smaller budget, smoother streams", f"{low} has a lower gap p99 at {top} streams than "
+                         "unchunked labkit", "the 95% interval of the ratio lies above 1",
+                         *ratio(rows, low, UNCHUNKED, "gap_p99_s", top, 1.0, "below")))  # fmt: skip
     return out
 
 
-def _key(server: str) -> str:
-    return server.split()[0].lower()
+def _own_gaps(rows: pd.DataFrame, top: int) -> tuple:
+    g = rows[(rows.server == LABKIT) & (rows.level == top)]
+    if g.empty:
+        return None, "labkit: not measured"
+    decided, text = tell(interval(g.gap_p99_s.to_numpy(), others=g.gap_p50_s.to_numpy()), 2.0, "below")
+    return decided, f"p99/median: {text}"
 
 
-def report(tables: dict[str, pd.DataFrame]) -> str:
-    """What must hold whatever the timings: each server answered every stream of every round, at
-    the requested length, and the slow readers were slow. No numbers, so nbval can check it."""
-    lines = []
-    runs = tables["overlap_runs"]
-    for s in dict.fromkeys(runs.server):
-        part = runs[runs.server == s]
-        lines.append(f"{s}: overlap rounds without a failed stream: {'all' if part.errors.sum() == 0 else 'NOT all'}")
-        lines.append(f"{s}: every stream ran to max_tokens: {'yes' if part.short_streams.sum() == 0 else 'no'}")
-        slow = tables["slow_runs"]
-        ratio = slow[(slow.server == s) & (slow.slow_readers > 0)].achieved_ratio
-        lines.append(f"{s}: slow readers read at most half the write rate: {'yes' if (ratio <= 0.5).all() else 'no'}")
-    return "\n".join(lines)
+def load_plots(t: dict[str, pd.DataFrame], s: Sizes) -> list:
+    from labkit.plots import new_figure, with_range
+
+    levels, trade = t["levels"], t["tradeoff"]
+    fig, axes = new_figure("peers_levels", ncols=3, width=13.0)
+    for name in [n for n in (LABKIT, *PEERS) if n in set(levels.server)] or list(dict.fromkeys(levels.server)):
+        g = levels[levels.server == name]
+        for ax, col, scale in zip(axes, ("tokens_per_s", "ttft_p50_s", "gap_p99_s"), (1, 1e3, 1e3)):
+            with_range(ax, g.level, g, col, scale, fmt="o-", label=name)
+    titles = (("tokens/s, all streams", "Aggregate throughput"), ("ms", "First token, median"),
+              ("ms", "Gap between tokens, p99"))  # fmt: skip
+    for ax, (ylabel, title) in zip(axes, titles):
+        ax.set(xscale="log", xlabel="streams at once", ylabel=ylabel, title=title)
+        ax.set_xticks(list(s.levels), labels=[str(v) for v in s.levels])
+        ax.minorticks_off()
+        ax.legend(fontsize="small")
+    fig2, (ax,) = new_figure("peers_tradeoff")
+    labkits = trade[trade.budget != ""].copy()
+    labkits["order"] = labkits.budget.map(lambda b: np.inf if b == "unchunked" else float(b))
+    labkits = labkits.sort_values("order")
+    with_range(ax, 1e3 * labkits.ttft_p50_s_median, labkits, "gap_p99_s", 1e3, fmt="o-", label="labkit, by budget")
+    for r in labkits.itertuples():
+        ax.annotate(r.budget, (1e3 * r.ttft_p50_s_median, 1e3 * r.gap_p99_s_median), fontsize="small",
+                    xytext=(4, 4), textcoords="offset points")  # fmt: skip
+    for marker, name in zip("s^Dv", trade[trade.budget == ""].server):
+        g = trade[trade.server == name]
+        with_range(ax, 1e3 * g.ttft_p50_s_median, g, "gap_p99_s", 1e3, fmt=marker, label=name)
+    ax.set(xlabel=f"first token, median over {max(s.levels)} streams (ms)", ylabel="gap between tokens, p99 (ms)",
+           title="The budget's trade-off, beside the peers")  # fmt: skip
+    ax.legend(fontsize="small")
+    return [fig, fig2]
 
 
-def unavailable_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """What needs a server's internals: shown for labkit (its own notebooks), not available for peers."""
-    parts = [tables[n] for n in ("overlap_unavailable", "disconnect_unavailable", "slow_unavailable") if n in tables]
-    rows = pd.concat(parts, ignore_index=True).drop_duplicates(["measurement", "server"])
-    rows["status"] = np.where(rows.server == LABKIT, "shown in notebooks 03, 05, 06 (in-process)", "not available")
-    return rows.pivot(index="measurement", columns="server", values="status")
+LOAD = Experiment(
+    name="peers.load",
+    title="Streams at once on labkit, llama.cpp and transformers serve; labkit's budgets; the engine alone",
+    sizes={"full": {"levels": (1, 4, 16, 32), "tokens": 64, "budgets": (16, 64, 256, None), "repetitions": 3},
+           "ci": {"levels": (1, 4), "tokens": 16, "budgets": (16, 64, None), "repetitions": 3}},
+    conditions=load_conditions,
+    server=budget_settings,
+    prepare=prepare_load,
+    measure=measure_load,
+    tables=load_tables,
+    verdicts=load_verdicts,
+    plots=load_plots,
+    alternate=True,
+)  # fmt: skip
 
-
-# --------------------------------------------------------------------------- plots
-
-
-def plot(tables: dict[str, pd.DataFrame]) -> list[Any]:
-    """Tokens/s and time to first token against concurrency, the servers side by side."""
-    import matplotlib.pyplot as plt
-
-    runs = tables["overlap_runs"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for s, part in runs.groupby("server", sort=False):
-        for ax, col, scale in ((left, "tokens_per_s", 1.0), (right, "ttft_p50_s", 1e3)):
-            g = part.groupby("level")[col]
-            med = g.median() * scale
-            ax.plot(med.index, med.values, marker="o", label=s)
-            ax.fill_between(med.index, g.min() * scale, g.max() * scale, alpha=0.2)
-    left.set(xscale="log", xlabel="streams at once", ylabel="aggregate tokens/s", title="Throughput (median, min–max)")
-    right.set(xscale="log", xlabel="streams at once", ylabel="first token, median over streams (ms)",
-              title="Time to first token (median, min–max)")  # fmt: skip
-    for ax in (left, right):
-        ax.set_xticks(sorted(runs.level.unique()), labels=[str(v) for v in sorted(runs.level.unique())])
-        ax.legend()
-    fig.suptitle("labkit beside its peer(s): same weights, same client")
-    fig.set_label("peers_overlap")
-    return [fig]
+SPECS = (LOAD,)

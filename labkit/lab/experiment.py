@@ -103,6 +103,8 @@ class Experiment:
     rows; ``tables(rows, sizes)``, ``verdicts(tables, sizes)`` and ``plots(tables, sizes)`` derive
     the rest. ``needs`` names the target capabilities without which nothing here can be measured.
     ``chapter`` maps a size to ``(the chapter's value, why this run differs)`` where they differ.
+    ``alternate`` runs the conditions in reverse order every other repetition (A B C, C B A, …):
+    for servers that take turns, so none always runs first after another's load.
     """
 
     name: str
@@ -117,6 +119,7 @@ class Experiment:
     plots: Callable[[Tables, Sizes], list[Any]] = lambda tables, sizes: []
     needs: tuple[str, ...] = ()
     chapter: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+    alternate: bool = False
 
     @property
     def group(self) -> str:

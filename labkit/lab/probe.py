@@ -19,7 +19,7 @@ from labkit.lab.client import get_json
 from labkit.lab.stream import API, ReadOptions, Stream
 from labkit.lab.target import EOS_FLAGS, Quirks, Target, TargetError
 
-__all__ = ["connect", "quirks_table", "PROBE_TIMEOUT_S"]
+__all__ = ["connect", "probe", "quirks_table", "PROBE_TIMEOUT_S"]
 
 PROMPT = "The lighthouse keeper counted the ships every evening, writing their names in a ledger"
 TOKENS = 8
@@ -35,6 +35,13 @@ def connect(
     target = Target(url, api=api, model=model, pid=pid, api_key=api_key, extra_body=extra_body, name=name)
     if pid is not None and not target.caps.cpu:
         raise TargetError(target.url, f"--target-pid {pid} is not a process on this machine")
+    return probe(target)
+
+
+def probe(target: Target) -> Target:
+    """Probe ``target`` in place (its model, witnesses and quirks) and return it: a server the lab
+    started (a :class:`~labkit.lab.target.Process`) is measured with what a probe finds, too."""
+    api = target.api
     deadline = time.monotonic() + PROBE_BUDGET_S
     models, listed = _models(target)
     if target.model is None and models:

@@ -3,7 +3,8 @@
 ``run(SPEC, target, **overrides)`` measures one :class:`~labkit.lab.experiment.Experiment` on one
 target at the profile's sizes (``overrides`` change sizes by name) and returns a :class:`Result`:
 its rows and tables, verdicts, figures on demand, the commit and the machine's state. Conditions
-run in the order A B C, A B C, … so a drift in the machine's load spreads over every condition.
+run in the order A B C, A B C, … (A B C, C B A, … where the spec alternates) so a drift in the
+machine's load spreads over every condition.
 Each finished trial's rows are written at once to ``<data>/<group>/<measurement>/partial/``; the
 whole run replaces them with its tables and ``results.json``. A measurement the target cannot
 witness becomes a "not measurable" row naming why, and the rest goes on.
@@ -154,7 +155,7 @@ def run(
     sizes = spec.sizes_for(profile.name, **overrides)
     owned = target is None
     target = target or LocalLab(profile.model)
-    folder = data_folder(spec, profile, lab=owned or isinstance(target, LocalLab))
+    folder = data_folder(spec, profile, lab=owned or getattr(target, "lab_owned", False))
     before, started = MachineState.now(), time.perf_counter()
     try:
         rows, kept, missing = _trials(spec, target, sizes, folder / "partial", show)
@@ -203,7 +204,8 @@ def _trials(
     skipped: set[int] = set()
     try:
         for rep in range(repetitions):
-            for i, condition in enumerate(conditions):
+            order = list(enumerate(conditions))
+            for i, condition in order[::-1] if spec.alternate and rep % 2 else order:
                 if i in skipped:
                     bar.update(1)
                     continue

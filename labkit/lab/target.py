@@ -102,7 +102,13 @@ class Quirks:
 
 
 class Target(Books):
-    """A server at ``url`` speaking ``api``; every request of every experiment is built here."""
+    """A server at ``url`` speaking ``api``; every request of every experiment is built here.
+
+    ``lab_owned``: the lab started it for its own run, so results go to ``<data>/<group>/``, not
+    to ``<data>/target-<group>/`` where another server's runs go.
+    """
+
+    lab_owned = False
 
     def __init__(
         self,
@@ -241,6 +247,8 @@ class LocalLab(Target):
     measurement may compare policies or response classes; :meth:`close` stops every one.
     """
 
+    lab_owned = True
+
     def __init__(self, model: Any = "tiny-gpt2", *, api: API = "labkit", **settings: Any) -> None:
         from labkit.models import load_model
         from labkit.server import serve_in_thread
@@ -301,7 +309,10 @@ class Process(Target):
         self.start()
 
     @classmethod
-    def labkit(cls, model: str, *, api: API = "labkit", port: int | None = None, **settings: Any) -> Process:
+    def labkit(
+        cls, model: str, *, api: API = "labkit", port: int | None = None, env: dict[str, str] | None = None,
+        **settings: Any,
+    ) -> Process:
         """``labkit serve`` on ``port`` (a free loopback one by default) with its lab routes, ``settings``
         as flags; a second server on a port the first used comes back where its clients look for it."""
         port = port or free_port()
@@ -309,7 +320,8 @@ class Process(Target):
         flags += [f"--{'' if v else 'no-'}{k.replace('_', '-')}" for k, v in settings.items() if isinstance(v, bool)]
         command = [sys.executable, "-m", "labkit.cli", "serve", "--model", model, "--port", str(port), "--lab-routes"]
         caps = Caps(native=True, lab=True, stats=True, metrics=True)
-        return cls([*command, *flags], f"http://127.0.0.1:{port}", health="/healthz", api=api, caps=caps, model=model)
+        url = f"http://127.0.0.1:{port}"
+        return cls([*command, *flags], url, health="/healthz", api=api, caps=caps, model=model, env=env)
 
     def start(self) -> None:
         if self.log is None:

