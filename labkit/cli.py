@@ -44,7 +44,7 @@ def _add_bench(sub) -> None:
     from labkit.engine.config import _DTYPES as DTYPES  # the one list (light: no torch)
 
     p = sub.add_parser("bench", help="benchmarks: decode-step cost and generation throughput")
-    p.add_argument("what", choices=["step", "generate", "attention", "http"])
+    p.add_argument("what", choices=["step", "generate", "attention"])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--batches", default=None, help="step, attention: comma-separated batch sizes")
@@ -54,7 +54,7 @@ def _add_bench(sub) -> None:
         "--rounds",
         type=int,
         default=None,
-        help="step (1), attention (3), http (3): measure every cell this many times, interleaved",
+        help="step (1), attention (3): measure every cell this many times, interleaved",
     )
     p.add_argument("--requests", type=int, default=32, help="generate: number of requests")
     p.add_argument("--new-tokens", type=int, default=64, help="generate: tokens per request")
@@ -92,12 +92,6 @@ def _bench(args) -> None:
             rounds=args.rounds or 1,
         )
         table = bench.bench_step(step)
-    elif args.what == "http":
-        from labkit import bench_serve
-
-        table = bench_serve.bench_http(
-            bench_serve.HttpBench(model=args.model, rounds=args.rounds or 3, threads=args.threads or 2)
-        )
     elif args.what == "attention":
         from labkit import bench_attention as ba
 

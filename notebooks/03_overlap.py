@@ -233,6 +233,36 @@ share.table("servers")
 # NBVAL_IGNORE_OUTPUT
 share.verdict_table()
 
+# %% [markdown]
+# ## 6. An independent client: GuideLLM beside the lab's
+#
+# Every number in this notebook was read by the lab's own client, so an error in it would be in
+# all of them. GuideLLM (vLLM's benchmark tool, a separate program: `make guidellm`) reads the same
+# server here, taking turns with the lab's client: the same streams at once through its
+# `concurrent` profile, the same length past end-of-sequence, the same OpenAI completions route, a
+# `labkit serve` process of its own so that neither client shares an interpreter with the server.
+# Both quantities are defined alike on both sides (tokens/s over first request to last token; a
+# request's inter-token latency as its span over its gaps, the median over requests).
+#
+# * **both clients whole**: every request of both ends at its length. Falsified by any failure.
+# * **tokens/s agree** and **inter-token latency agrees**: GuideLLM's median over the lab's lies
+#   within 0.8 to 1.25. Falsified outside it. Where they part, the table says which client read
+#   the server slower; a client that spends more of the two cores on itself than the server
+#   needs per token reads a slower server than is there.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+guidellm = run(overlap.GUIDELLM, target)
+guidellm.table("tools")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+guidellm.verdict_table()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(guidellm.checked())
+
 # %%
 # NBVAL_IGNORE_OUTPUT
 target.close()

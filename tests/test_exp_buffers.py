@@ -21,8 +21,8 @@ KERNEL = {"tcp_wmem_min": 4096, "tcp_wmem_default": 16384, "tcp_wmem_max": 4_194
 
 
 def floods(accepted: dict[int, list[int]] | None = None, **change: Any) -> dict[str, pd.DataFrame]:
-    """Three repetitions of two event sizes, as a flood trial reports them, then the derived tables."""
-    accepted = accepted or {1024: [4_000_000] * 3, 65536: [4_060_000] * 3}
+    """Six repetitions of two event sizes, as a flood trial reports them, then the derived tables."""
+    accepted = accepted or {1024: [4_000_000] * 6, 65536: [4_060_000] * 6}
     rows = pd.DataFrame([
         {"event_bytes": size, "repetition": rep, "blocked": True, "bytes_accepted": n, "events_accepted": n // size,
          "client_unread_bytes": 128_000, "client_rcvbuf": 131072, "server_finished": True, "token_event_bytes": 65.0,
@@ -56,9 +56,9 @@ def test_each_flood_verdict_can_fail(change: dict[str, Any], falsified: str) -> 
 
 
 def test_bytes_not_events_is_judged_on_an_interval() -> None:
-    apart = outcomes(floods({133: [250_000, 260_000, 255_000], 65536: [4_000_000, 4_100_000, 3_900_000]}))
+    apart = outcomes(floods({133: [250_000, 260_000, 255_000] * 2, 65536: [4_000_000, 4_100_000, 3_900_000] * 2}))
     assert apart["bytes, not events"] == "falsified"
-    straddles = outcomes(floods({133: [1_000_000, 3_000_000, 2_000_000], 65536: [1_500_000, 4_000_000, 2_900_000]}))
+    straddles = outcomes(floods({133: [1_000_000, 3_000_000, 2_000_000] * 2, 65536: [1_500_000, 4_000_000, 2_900_000] * 2}))
     assert straddles["bytes, not events"] == "unclear"
 
 

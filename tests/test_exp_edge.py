@@ -141,7 +141,7 @@ def thread_rows(waiting_at_40: int = 1, waiting_at_39: int = 0, slow_ms: float =
     for kind in ("sync", "async"):
         for n in (0, 20, 39, 40):
             sync_at_40 = kind == "sync" and n == 40
-            rows += reps(3, kind=kind, open=n, borrowed=n if kind == "sync" else 0, async_health_ms=40.0,
+            rows += reps(6, kind=kind, open=n, borrowed=n if kind == "sync" else 0, async_health_ms=40.0,
                          sync_health_ms=slow_ms if sync_at_40 else 30.0,
                          waiting=waiting_at_40 if sync_at_40 else waiting_at_39 if kind == "sync" and n == 39 else 0)  # fmt: skip
     return rows

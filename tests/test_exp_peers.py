@@ -33,7 +33,7 @@ def test_both_measurements_are_registered_and_sized_alike_for_both_profiles() ->
     assert [s.name for s in specs("peers")] == ["peers.load"] and [s.name for s in specs("burst")] == ["burst.arrival"]
     for spec in (peers.LOAD, burst.BURST):
         assert set(spec.sizes["full"]) == set(spec.sizes["ci"]) and spec.alternate, spec.name
-    assert peers.LOAD.sizes["full"]["levels"] == (1, 4, 16, 32) and peers.LOAD.sizes["full"]["tokens"] == 64
+    assert peers.LOAD.sizes["full"]["levels"] == (1, 8, 32) and peers.LOAD.sizes["full"]["tokens"] == 64
     assert burst.BURST.sizes["full"]["streams"] == 31 and burst.BURST.sizes["full"]["prompt_tokens"] == 1000
 
 
@@ -92,7 +92,7 @@ def test_a_step_over_its_budget_is_counted_and_unchunked_has_none() -> None:
 
 def load_rows(labkit_tps: float = 300.0, labkit_gap: float = 0.1, over: int = 0, whole: int = 4) -> list[dict]:
     rows = []
-    for rep in range(3):
+    for rep in range(6):
         jitter = 1 + 0.01 * rep
         for name, tps, gap, ttft in ((peers.LABKIT, labkit_tps, labkit_gap, 1.0), (peers.LLAMA, 200.0, 0.15, 2.0),
                                      (peers.TRANSFORMERS, 100.0, 0.3, 3.0)):  # fmt: skip
@@ -122,7 +122,7 @@ def test_load_verdicts_fail_when_labkit_is_slower_gappier_or_out_of_budget() -> 
     for name in ("every stream whole", "every step within its budget", "gaps: p99 at most llama.cpp's",
                  "gaps: p99 within twice the median", "throughput: ahead of both", "one stream: HTTP costs little"):
         assert got[name][0] == "falsified", (name, got[name])
-    assert got["every step within its budget"][1] == "12 steps over"  # 2 in each of labkit's 6 rows
+    assert got["every step within its budget"][1] == "24 steps over"  # 2 in each of labkit's 12 rows
 
 
 def test_a_comparison_with_a_peer_that_was_not_measured_is_unclear_and_says_so() -> None:
@@ -140,7 +140,7 @@ def test_the_load_tables_give_the_tradeoff_at_the_top_level_and_the_readme_cells
     assert trade.loc[peers.LABKIT, "budget"] == "64" and trade.loc[peers.LLAMA, "budget"] == ""
     assert peers.ENGINE not in trade.index
     beside = tables["beside"].set_index("measurement")
-    assert beside.loc["tokens/s, 4 streams", peers.LLAMA] == "202.0 (200.0–204.0)"
+    assert beside.loc["tokens/s, 4 streams", peers.LLAMA] == "205.0 (200.0–210.0)"
     assert beside.loc["gap, p99, 4 streams (ms)", peers.ENGINE] == "n/a"
 
 
@@ -149,7 +149,7 @@ def test_the_load_tables_give_the_tradeoff_at_the_top_level_and_the_readme_cells
 
 def burst_rows(steps: int = 20, unchunked: int = 1, largest: float = 0.05) -> list[dict]:
     rows = []
-    for rep in range(3):
+    for rep in range(6):
         for name, prefill in ((peers.LABKIT, steps), (peers.UNCHUNKED, unchunked), (peers.LLAMA, np.nan)):
             rows.append({"server": name, "repetition": rep, "whole": 32, "streams": 32, "prefill_steps": prefill,
                          "largest_s": largest * (1 + 0.01 * rep), "gap_before_p50_s": 0.02})  # fmt: skip

@@ -11,13 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pandas as pd
 import pytest
-from starlette.applications import Starlette
-from starlette.responses import PlainTextResponse
-from starlette.routing import Route
-from target_helpers import REPO, labkit_serve_process, uvicorn_in_thread
+from target_helpers import REPO, labkit_serve_process
 
 from labkit.experiments import deadline, production, specs
 from labkit.lab import NotMeasurable, Process, Stream, Target, run
@@ -41,34 +37,17 @@ def test_every_measurement_is_registered_and_sized_alike_for_both_profiles() -> 
 # --------------------------------------------------------------------------- nginx
 
 
-def test_a_location_says_exactly_the_settings_it_was_given() -> None:
-    plain = production.location("a", "http://127.0.0.1:9")
-    assert "location /a/ { proxy_pass http://127.0.0.1:9/;" in plain and "proxy_buffering off;" in plain
-    assert "gzip off;" in plain and "proxy_ignore_headers" not in plain and "proxy_http_version 1.0;" in plain
-    odd = production.location("b", "http://h:1/p", buffering=1, accel=0, gzip=1, http="1.1", read_timeout_s=0.25)
-    for part in ("proxy_pass http://h:1/p/;", "proxy_buffering on;", "proxy_ignore_headers X-Accel-Buffering;",
-                 "gzip on;", "gzip_types text/event-stream;", "proxy_http_version 1.1;", "proxy_read_timeout 250ms;"):
-        assert part in odd
-
-
-@needs_nginx
-def test_nginx_proxies_and_is_gone_with_its_files_after_close() -> None:
-    app = Starlette(routes=[Route("/hello", lambda request: PlainTextResponse("hi"))])
-    with uvicorn_in_thread(app) as url:
-        nginx = production.Nginx("demo", {"app": production.location("app", url)})
-        try:
-            assert httpx.get(f"{nginx.base('app')}/hello", trust_env=False, timeout=10).text == "hi"
-        finally:
-            nginx.close()
-    assert nginx.process.returncode is not None and not nginx.folder.exists()
-
-
-def test_without_nginx_or_chromium_the_measurement_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(shutil, "which", lambda *args, **kwargs: None)
-    with pytest.raises(NotMeasurable, match="nginx is not installed"):
-        production.Nginx("production.proxy", {})
-    with pytest.raises(NotMeasurable, match="chromium and chromedriver not installed"):
-        production.Chromium(None, None)
+def test_each_proxy_setting_is_a_route_with_exactly_its_settings() -> None:
+    held = production.route("held", "http://127.0.0.1:9", *production.ROUTES["buffering-on-accel-ignored"]).location()
+    for part in ("proxy_pass http://127.0.0.1:9/;", "proxy_buffering on;", "proxy_ignore_headers X-Accel-Buffering;",
+                 "gzip off;", "proxy_http_version 1.0;"):  # fmt: skip
+        assert part in held
+    gzip = production.route(
+        "z", "http://127.0.0.1:9", *production.ROUTES["gzip-buffering-off-accel-ignored"]
+    ).location()
+    assert "proxy_buffering off;" in gzip and "gzip on;" in gzip and "gzip_types text/event-stream" in gzip
+    assert "proxy_http_version 1.1;" in production.route("h", "http://127.0.0.1:9", 1, 0, 0, "1.1").location()
+    assert {production.ROUTES[r][:2] for r in production.HELD} == {(1, 0)}  # held: buffered, the header ignored
 
 
 def proxy_rows(lag: dict[str, float], whole: bool = True) -> dict[str, pd.DataFrame]:
@@ -124,8 +103,10 @@ def test_the_browser_resumes_exactly_unless_an_event_is_lost_and_retry_orders_th
 
 
 def drain(types: list[str], ended: list[str], resumes: list[int], exit_code: int = 0) -> dict[str, str]:
-    probes = [{"repetition": 0, "status": 503 if t in ("draining", "shutdown") else 200, "type": t, "retry_after": "1"}
-              for t in types] + [{"repetition": 0, "status": 0, "type": "refused at the socket", "retry_after": None}]
+    probes = [
+        {"repetition": 0, "status": 503 if t in ("draining", "shutdown") else 200, "type": t, "retry_after": "1"}
+        for t in types
+    ] + [{"repetition": 0, "status": 0, "type": "refused at the socket", "retry_after": None}]
     streams = [{"repetition": 0, "stream": i, "resumable": i % 2 == 1, "ended_by": e} for i, e in enumerate(ended)]
     return verdicts(production.DRAIN, {"rows": pd.DataFrame([{"exit_code": exit_code, "exited_s": 3.1,
                     "drain_grace_s": 3.0}]), "probes": pd.DataFrame(probes), "streams": pd.DataFrame(streams),
@@ -138,12 +119,16 @@ def test_a_drain_holds_with_draining_and_shutdown_answers_and_fails_on_anything_
     assert drain(["draining", "answered"], ["shutdown"] * 2, [404])["drain refuses new work"] == "falsified"
     assert drain(["shutdown"], ["shutdown"] * 2, [404])["drain refuses new work"] == "falsified"
     assert drain(["draining"], ["shutdown", "cut"], [404])["drain ends every open stream"] == "falsified"
-    assert drain(["draining"], ["shutdown"] * 2, [200])["a restarted process answers the resume with 404"] == "falsified"
+    assert (
+        drain(["draining"], ["shutdown"] * 2, [200])["a restarted process answers the resume with 404"] == "falsified"
+    )
     assert drain(["draining"], ["shutdown"] * 2, [404], exit_code=1)["exits within its drain grace"] == "falsified"
 
 
 def test_the_answers_table_counts_each_refusal_type_from_the_data() -> None:
-    probes = pd.DataFrame({"status": [503] * 37 + [0], "type": ["draining"] * 36 + ["shutdown", "refused at the socket"]})
+    probes = pd.DataFrame(
+        {"status": [503] * 37 + [0], "type": ["draining"] * 36 + ["shutdown", "refused at the socket"]}
+    )
     counts = production.DRAIN.tables({"probes": probes}, production.DRAIN.sizes_for("ci"))["answers"]
     assert dict(zip(counts.type, counts.probes)) == {"draining": 36, "shutdown": 1, "refused at the socket": 1}
 
@@ -209,8 +194,14 @@ def test_the_drain_on_a_process_the_lab_started_holds_its_checked_verdicts() -> 
         result = run(production.DRAIN, server, profile=CI, save=False, show=False, repetitions=1)
     finally:
         server.close()
-    assert result.checked().splitlines() == [f"{name}: holds" for name in (
-        "drain ends every open stream", "drain refuses new work", "a restarted process answers the resume with 404")]
+    assert result.checked().splitlines() == [
+        f"{name}: holds"
+        for name in (
+            "drain ends every open stream",
+            "drain refuses new work",
+            "a restarted process answers the resume with 404",
+        )
+    ]
 
 
 @pytest.mark.slow

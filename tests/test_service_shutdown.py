@@ -36,7 +36,7 @@ def test_drain_ends_open_streams_with_a_shutdown_error_then_refuses_with_503(tin
                 response = http.post(path, json={"prompt": "x"})
                 assert response.status_code == 503 and response.json()["error"]["type"] == "draining"
                 assert response.headers["retry-after"] == "1"
-            assert http.get("/healthz").status_code == 503
+            assert http.get("/healthz").status_code == http.get("/health").status_code == 503
         assert server.hub.stats().ends == {"shutdown": 4}
 
 
@@ -48,10 +48,11 @@ def test_leaving_the_server_ends_streams_whose_clients_never_read(tiny_gpt2: Any
         assert client.ended and events[-1][0] == "error" and events[-1][1]["error"]["type"] == "shutdown"
 
 
-def test_healthz_is_ok_while_serving(tiny_gpt2: Any) -> None:
+def test_healthz_is_ok_while_serving_and_answers_as_health_too(tiny_gpt2: Any) -> None:
     with lab_server(tiny_gpt2) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
-        response = http.get("/healthz")
-        assert response.status_code == 200 and response.json() == {"status": "ok", "model": "tiny-gpt2"}
+        for path in ("/healthz", "/health"):  # /health: the name vLLM, llama.cpp's server and GuideLLM use
+            response = http.get(path)
+            assert response.status_code == 200 and response.json() == {"status": "ok", "model": "tiny-gpt2"}
 
 
 def test_a_generate_in_flight_at_the_drain_gets_503_with_retry_after(tiny_gpt2: Any) -> None:

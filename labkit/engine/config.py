@@ -9,7 +9,7 @@ import torch
 _DTYPES = ("float32", "bfloat16", "float16")
 _ATTENTION = ("auto", "kernel", "gather")  # attention.py ATTENTION_MODES (kept light: no torch import there)
 _MATMUL = ("auto", "kernel", "library")  # matmul.py MATMUL_MODES
-# Measured (labkit.bench_serve, 32 streams of 64 tokens and a 1,000-token burst among 31, one
+# Measured (notebook 09's budget sweep and burst, first with a script since folded into it: 32 streams of 64 tokens and a 1,000-token burst among 31, one
 # thread on 2 loaded cores, 2 rounds): 32 gave the smoothest gaps (p99 1.9-2.5x the median) but
 # leaves one prompt token a step once 31 streams decode (first token p99 12-23 s, the burst's
 # 31-38 s); 128 and unchunked let prefill stall the streams (gap p99 4.7-8.5x and 3.1-5.5x the

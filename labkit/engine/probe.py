@@ -41,7 +41,9 @@ def logits_probe(
     need = sum(-(-(len(prompts[r]) + tokens) // block_size) for r in [*rows, *(r for b in batches for r in range(b))])
     blocks = BlockManager(need, block_size)
     runner = ModelRunner(loaded, num_blocks=need, block_size=block_size, dtype=dtype, batch_invariant=batch_invariant)
-    table = {(b, r): blocks.allocate((b, r), len(prompts[r]) + tokens) for b in batches for r in range(b)}
+    table: dict[tuple[int | str, int], list[int]] = {
+        (b, r): blocks.allocate((b, r), len(prompts[r]) + tokens) for b in batches for r in range(b)
+    }
     table.update({("solo", r): blocks.allocate(("solo", r), len(prompts[r]) + tokens) for r in rows})
     solo = [runner.prefill(prompts[r], table["solo", r]) for r in rows]
     path = [[int(x.argmax())] for x in solo]
@@ -54,7 +56,9 @@ def logits_probe(
         for b in batches:
             if step:
                 fed = [path[r][step - 1] if r in rows else int(own[b][r].argmax()) for r in range(b)]
-                own[b] = runner.decode(fed, [len(prompts[r]) + step - 1 for r in range(b)], [table[b, r] for r in range(b)])
+                own[b] = runner.decode(
+                    fed, [len(prompts[r]) + step - 1 for r in range(b)], [table[b, r] for r in range(b)]
+                )
             for r in rows:
                 if r < b:
                     yield b, r, step, solo[r], own[b][r]

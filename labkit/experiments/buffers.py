@@ -151,7 +151,7 @@ def flood_plots(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
     return [fig]
 
 
-FLOOD_SIZES = {"repetitions": 3, "flood_mib": 32, "block_threshold_s": 0.2, "timeout_s": 30.0}
+FLOOD_SIZES = {"repetitions": 6, "flood_mib": 32, "block_threshold_s": 0.2, "timeout_s": 30.0}
 FLOOD = Experiment(
     name="buffers.flood", title="A client that never reads: bytes the path takes before the server's write blocks",
     sizes={"full": {"event_sizes": (133, 1024, 16384, 65536), **FLOOD_SIZES},

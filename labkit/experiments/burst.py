@@ -186,7 +186,7 @@ BURST = Experiment(
     name="burst.arrival",
     title="A long prompt arrives among decoding streams: their gaps before, during and after",
     sizes={"full": {"servers": (LABKIT, UNCHUNKED, LLAMA, TRANSFORMERS), "streams": 31, "tokens": 48,
-                    "arrive_after": 8, "prompt_tokens": 1000, "long_tokens": 4, "timeout": 300.0, "repetitions": 3},
+                    "arrive_after": 8, "prompt_tokens": 1000, "long_tokens": 4, "timeout": 300.0, "repetitions": 6},
            "ci": {"servers": (LABKIT, UNCHUNKED, LLAMA, TRANSFORMERS), "streams": 7, "tokens": 24,
                   "arrive_after": 4, "prompt_tokens": 200, "long_tokens": 4, "timeout": 120.0, "repetitions": 3}},
     conditions=conditions,

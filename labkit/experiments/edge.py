@@ -220,8 +220,7 @@ def threads_plots(t: dict[str, pd.DataFrame], s: Sizes) -> list:
 
 THREADS = Experiment(
     name="edge.threads", title="Sync generators and AnyIO's 40 threads: health routes beside slow streams",
-    sizes={p: {"open": o, "interval_s": 0.5, "repetitions": 3} for p, o in (("full", (0, 10, 20, 30, 39, 40)),
-                                                                            ("ci", (0, 20, 39, 40)))},
+    sizes={p: {"open": (0, 20, 39, 40), "interval_s": 0.5, "repetitions": n} for p, n in (("full", 6), ("ci", 3))},
     conditions=lambda s, target: [{"kind": k, "open": n} for k in ("sync", "async") for n in s.open],
     measure=lambda trial: run_sync(pool(trial.target.url, trial.kind, trial.open, trial.sizes)),
     tables=lambda t, s: {"latency": spread(t["rows"], ["kind", "open"], ["sync_health_ms", "async_health_ms", "waiting"])},

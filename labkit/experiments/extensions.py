@@ -115,7 +115,7 @@ FULL_BATCH = Experiment(
     name="extensions.full_batch",
     title="A batch full of clients that stopped reading: pause against pause_then_drop",
     sizes={"full": {"batch": 4, "slow": 2, "fast": 4, "slow_tokens": 64, "fast_tokens": 64, "high_water": 16,
-                    "stall_timeouts": (0.25, 1.0), "pad_bytes": 4096, "repetitions": 3},
+                    "stall_timeouts": (0.25, 1.0), "pad_bytes": 4096, "repetitions": 6},
            "ci": {"batch": 4, "slow": 2, "fast": 4, "slow_tokens": 64, "fast_tokens": 300, "high_water": 16,
                   "stall_timeouts": (0.1, 0.25), "pad_bytes": 4096, "repetitions": 3}},
     conditions=lambda s, target: [{"policy": "pause", "stall_s": math.inf}]
@@ -203,7 +203,7 @@ def measure_eager(trial: Trial) -> list[dict[str, Any]]:
 def held_bytes(tokens: list[tuple[int, str]], count: int, pad_bytes: int) -> dict[str, int]:
     """Bytes (``tracemalloc``) held by ``count`` token events, drawn in turn from ``tokens``, formatted
     by the service's encoder with and without padding, and as the hub holds them."""
-    from labkit.engine.events import TokenEvent
+    from labkit.engine import TokenEvent
     from labkit.schema import StreamEncoder
     from labkit.service.frames import encode_item, wire_bytes
 

@@ -253,7 +253,9 @@ def power(streams: Any, logits: Any) -> pd.DataFrame:
     plain = s[(s["mode"] == "plain") & (s.level > 1)]
     rates = g[(g["mode"] == "plain") & (g.dtype == "float32")].sort_values("batch")
     if plain.empty or rates.empty:
-        return pd.DataFrame({"because": ["no plain-mode streams in batches, or no plain float32 logits, to set side by side"]})
+        return pd.DataFrame(
+            {"because": ["no plain-mode streams in batches, or no plain float32 logits, to set side by side"]}
+        )
     rate = rates.iloc[-1]
     compared, bound = int(plain.tokens.sum()), max(rate.flips_per_1000, 1500 / rate.rows)
     return pd.DataFrame([{"plain tokens compared over HTTP": compared, "flips per 1000 (logits)": rate.flips_per_1000,

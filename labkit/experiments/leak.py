@@ -149,7 +149,7 @@ PLAN = Experiment(
     sizes={"full": {"classes": CLASSES, "streams": 60, "concurrency": 48, "max_batch": 8, "tokens": 44,
                     "share_full": 0.35, "share_early": 0.5, "early_range": (0, 40), "slow_leave_after": (3, 10),
                     "slow_pace_s": 0.25, "window_s": 1.0, "follow_tokens": 12, "seed": 7, "timeout": 300.0,
-                    "repetitions": 3},
+                    "repetitions": 6},
            "ci": {"classes": CLASSES, "streams": 40, "concurrency": 12, "max_batch": 4, "tokens": 48,
                   "share_full": 0.35, "share_early": 0.5, "early_range": (0, 40), "slow_leave_after": (3, 10),
                   "slow_pace_s": 0.05, "window_s": 0.5, "follow_tokens": 8, "seed": 7, "timeout": 120.0,
@@ -159,7 +159,7 @@ PLAN = Experiment(
     measure=measure,
     tables=tables,
     verdicts=verdicts,
-    chapter={"streams": (int(published("leak")["streams"]), "three runs of each class (an interval for the time) "
+    chapter={"streams": (int(published("leak")["streams"]), "six runs of each class (an interval for the time) "
                          "within the notebook's time"),
              "tokens": ("not stated", "each stream's limit; the early leavers leave within it"),
              "repetitions": (1, "interleaved runs give the time comparison an interval")},

@@ -22,6 +22,7 @@ from typing import Any
 
 import pandas as pd
 
+from labkit.experiments.crosscheck import GUIDELLM
 from labkit.experiments.step_cost import STEP_COST
 from labkit.lab import Experiment, Process, Sizes, Stream, Target, Trial, interval, judge, spread, tell
 from labkit.lab.client import percentile, run_sync
@@ -109,7 +110,7 @@ LEVELS = Experiment(
     name="overlap.levels",
     title="N streams at once: makespan, tokens/s, first token, gaps, steps",
     sizes={
-        "full": {"levels": (1, 2, 4, 8, 16, 32), "tokens": 64, "repetitions": 3},
+        "full": {"levels": (1, 2, 4, 8, 16, 32), "tokens": 64, "repetitions": 6},
         "ci": {"levels": (1, 2, 8, 32), "tokens": 16, "repetitions": 3},
     },  # fmt: skip
     conditions=lambda s, target: [{"level": n} for n in s.levels],
@@ -302,7 +303,7 @@ def delivery_plots(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
 DELIVERY = Experiment(
     name="overlap.delivery",
     title="First tokens delivered as each prefill ends, or at the end of the step",
-    sizes={"full": {"streams": 32, "tokens": 8, "repetitions": 5}, "ci": {"streams": 8, "tokens": 4, "repetitions": 3}},
+    sizes={"full": {"streams": 32, "tokens": 8, "repetitions": 6}, "ci": {"streams": 8, "tokens": 4, "repetitions": 3}},
     conditions=lambda s, target: [{"first_token": m} for m in ("prefill", "step_end")] if target.caps.settings else [],
     server=lambda s, c: {"max_batch": s.streams, "first_token": c["first_token"]},
     measure=measure_delivery,
@@ -347,7 +348,7 @@ CLIENT_SHARE = Experiment(
     name="overlap.client_share",
     title="The same streams served from a thread of this process and from a process of its own",
     sizes={
-        "full": {"streams": 32, "tokens": 64, "repetitions": 3},
+        "full": {"streams": 32, "tokens": 64, "repetitions": 6},
         "ci": {"streams": 8, "tokens": 16, "repetitions": 2},
     },
     conditions=lambda s, target: [{"server": "thread"}, {"server": "process"}],
@@ -358,4 +359,4 @@ CLIENT_SHARE = Experiment(
     needs=("settings", "engine"),
 )
 
-SPECS = (LEVELS, STEP_COST, JOINERS, DELIVERY, CLIENT_SHARE)
+SPECS = (LEVELS, STEP_COST, JOINERS, DELIVERY, CLIENT_SHARE, GUIDELLM)

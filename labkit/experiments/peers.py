@@ -325,12 +325,14 @@ def beside(rows: pd.DataFrame, top: int) -> pd.DataFrame:
 
 
 def ratio(rows: pd.DataFrame, a: str, b: str, column: str, level: int, null: float, better: Any) -> tuple:
-    """Whether ``a``'s ``column`` over ``b``'s (medians over rounds, a 95% bootstrap interval) lies
+    """Whether ``a``'s ``column`` over ``b``'s (round by round, the 95% interval of the paired ratios) lies
     on the ``better`` side of ``null``, and the evidence; unclear where either was not measured."""
-    x, y = (rows[(rows.server == n) & (rows.level == level)][column].dropna() for n in (a, b))
-    if x.empty or y.empty:
-        return None, f"{b if y.empty else a}: not measured"
-    decided, text = tell(interval(x.to_numpy(), others=y.to_numpy()), null, better)
+    at = rows[(rows.level == level) & rows.server.isin((a, b))]
+    by = at.pivot_table(index="repetition", columns="server", values=column) if column in at else pd.DataFrame()
+    if a not in by or b not in by:
+        return None, f"{a if a not in by else b}: not measured"
+    by = by[[a, b]].dropna()  # a round where either failed pairs with nothing
+    decided, text = tell(interval(by[a].to_numpy(), others=by[b].to_numpy()), null, better)
     return decided, f"{a}/{b} {SAID.get(column, column)}: {text}"
 
 
@@ -420,7 +422,7 @@ def load_plots(t: dict[str, pd.DataFrame], s: Sizes) -> list:
 LOAD = Experiment(
     name="peers.load",
     title="Streams at once on labkit, llama.cpp and transformers serve; labkit's budgets; the engine alone",
-    sizes={"full": {"levels": (1, 4, 16, 32), "tokens": 64, "budgets": (16, 64, 256, None), "repetitions": 3},
+    sizes={"full": {"levels": (1, 8, 32), "tokens": 64, "budgets": (16, 64, 256, None), "repetitions": 6},
            "ci": {"levels": (1, 4), "tokens": 16, "budgets": (16, 64, None), "repetitions": 3}},
     conditions=load_conditions,
     server=budget_settings,

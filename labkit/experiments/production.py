@@ -11,16 +11,11 @@ delays every setting alike, adds none. :data:`KEEPALIVE` queues a stream behind 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import shutil
 import signal
-import socket
-import subprocess
-import tempfile
 import time
 from collections import Counter
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
@@ -30,13 +25,13 @@ import pandas as pd
 from labkit.experiments.deadline import GATE, GOODPUT, cancel
 from labkit.lab import Experiment, NotMeasurable, Process, ReadOptions, Request, Stream, Trial, judge, span, spread
 from labkit.lab.client import async_client, read, run_sync
-from labkit.lab.target import free_port
+from labkit.lab.components import Chromium, Nginx, Route
 from labkit.lab.witness import until, wait_for
 from labkit.prompts import PROMPTS
 
 Row = dict[str, Any]
 Tables = dict[str, pd.DataFrame]
-#: route: proxy_buffering, X-Accel-Buffering honoured, gzip, HTTP version to the upstream (nginx 1.22: 1.0)
+#: route: proxy_buffering, X-Accel-Buffering honoured, gzip, HTTP version to the upstream (nginx's default: 1.0)
 ROUTES = {"buffering-on": (1, 1, 0, "1.0"), "buffering-on-accel-ignored": (1, 0, 0, "1.0"),
           "buffering-off": (0, 1, 0, "1.0"), "buffering-off-accel-ignored": (0, 0, 0, "1.0"),
           "gzip-buffering-on": (1, 1, 1, "1.0"), "gzip-buffering-on-accel-ignored": (1, 0, 1, "1.0"),
@@ -45,62 +40,8 @@ ROUTES = {"buffering-on": (1, 1, 0, "1.0"), "buffering-on-accel-ignored": (1, 0,
 HELD = ("buffering-on-accel-ignored", "gzip-buffering-on-accel-ignored")  # buffered, header ignored, unchunked
 
 
-def location(name: str, upstream: str, buffering: int = 0, accel: int = 1, gzip: int = 0, http: str = "1.0",
-             read_timeout_s: float = 60.0) -> str:  # fmt: skip
-    """nginx's ``/<name>/…`` proxied to ``upstream``'s ``/…``; ``accel`` 0 ignores X-Accel-Buffering."""
-    on = ("off", "on")
-    return (f"location /{name}/ {{ proxy_pass {upstream}/; proxy_http_version {http}; proxy_set_header Connection "
-            f'""; proxy_ssl_server_name on; proxy_buffering {on[buffering]}; gzip {on[gzip]}; proxy_read_timeout '
-            f"{round(read_timeout_s * 1000)}ms; {'' if accel else 'proxy_ignore_headers X-Accel-Buffering;'} "
-            f"{'gzip_types text/event-stream; gzip_min_length 1; gzip_proxied any;' if gzip else ''} }}")  # fmt: skip
-
-
-class Nginx:
-    """nginx (Debian's) on 127.0.0.1, generated config, one foreground process with every file it writes
-    in a temporary folder: :meth:`close` (the runner's, at the end) stops all that was started."""
-
-    def __init__(self, what: str, locations: dict[str, str], **notes: Any) -> None:
-        exe = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
-        if exe is None:
-            raise NotMeasurable(what, "nginx is not installed here (apt-get install nginx)")
-        self.folder, self.port, self.notes = Path(tempfile.mkdtemp(prefix="labkit-nginx-")), free_port(), notes
-        temps = " ".join(f"{k}_temp_path {self.folder / k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi"))
-        conf, log = self.folder / "nginx.conf", str(self.folder / "error.log")
-        conf.write_text(f"daemon off; master_process off; pid {self.folder / 'nginx.pid'}; events {{ }}\nhttp {{ "
-                        f"access_log off; scgi_temp_path {self.folder / 'scgi'}; {temps}\nserver {{ listen "
-                        f"127.0.0.1:{self.port};\n" + "\n".join(locations.values()) + "\n} }")  # fmt: skip
-        command = [exe, "-p", str(self.folder), "-e", log, "-c", str(conf)]
-        self.process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
-        )
-        try:
-            wait_for(self._accepting, timeout=10.0, what=f"nginx to accept on port {self.port}")
-        except BaseException:
-            self.close()
-            raise
-
-    def _accepting(self) -> bool:
-        if self.process.poll() is not None:
-            log = (self.folder / "error.log").read_text(errors="replace")[-800:].strip()
-            raise RuntimeError(f"nginx exited with {self.process.returncode} at start: {log}")
-        try:
-            socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-        except OSError:
-            return False
-        return True
-
-    def base(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.port}/{name}"
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-        shutil.rmtree(self.folder, ignore_errors=True)
+def route(name: str, upstream: str, buffering: int, accel: int, gzip: int, http: str) -> Route:
+    return Route(name, upstream, bool(buffering), bool(accel), bool(gzip), http_version=http)
 
 
 async def gather(*reads: Any) -> list[Any]:
@@ -168,7 +109,7 @@ def proxy_plots(t: Tables, s: Any) -> list:
 PROXY = Experiment(
     name="production.proxy", title="nginx in front: when each event reaches the client, per proxy setting",
     sizes={p: {"tokens": n, "held_lag": 8, "repetitions": 3, "timeout": 120.0} for p, n in (("full", 64), ("ci", 256))},
-    prepare=lambda target, s: Nginx("production.proxy", {r: location(r, target.url, *v) for r, v in ROUTES.items()}),
+    prepare=lambda target, s: Nginx([route(r, target.url, *v) for r, v in ROUTES.items()]),
     measure=measure_proxy, tables=proxy_tables, verdicts=proxy_verdicts, plots=proxy_plots,
 )  # fmt: skip
 
@@ -180,17 +121,30 @@ def pings_server(s: Any, c: Row) -> Row:
     return {"max_batch": 1, "keepalive_interval": s.ping_interval_s if c["pings"] == "on" else 3600.0}
 
 
-def prepare_keepalive(target: Any, s: Any) -> Nginx:
+@dataclass
+class Quiet:
+    """nginx before each server, and how many blockers queued ahead keep a stream quiet long enough."""
+
+    nginx: Nginx
+    blockers: int
+
+    def close(self) -> None:
+        self.nginx.close()
+
+
+def prepare_keepalive(target: Any, s: Any) -> Quiet:
     """nginx with a short read timeout before each server, and how many blockers queued ahead keep a
     stream quiet for ``quiet_factor`` read timeouts (from one blocker timed here, the faster of two)."""
     servers = {p: target.variant(**pings_server(s, {"pings": p})) for p in ("on", "off")}
     took = min(servers["on"].read(servers["on"].request(PROMPTS[1], s.blocker_tokens)).duration for _ in range(2))
-    return Nginx("production.keepalive", {p: location(p, t.url, read_timeout_s=s.read_timeout_s) for p, t in
-                 servers.items()}, blockers=int(np.ceil(s.quiet_factor * s.read_timeout_s / took)))  # fmt: skip
+    routes = [
+        Route(p, t.url, buffering=False, read_timeout=s.read_timeout_s, http_version="1.0") for p, t in servers.items()
+    ]
+    return Quiet(Nginx(routes), int(np.ceil(s.quiet_factor * s.read_timeout_s / took)))
 
 
 def measure_keepalive(trial: Trial) -> Row:
-    target, s, n = trial.target, trial.sizes, trial.state.notes["blockers"]
+    target, s, n = trial.target, trial.sizes, trial.state.blockers
 
     async def quiet() -> Stream:
         blockers = [Stream(api=target.api) for _ in range(n)]
@@ -199,7 +153,7 @@ def measure_keepalive(trial: Trial) -> Row:
         try:
             await until(lambda: all(b.status or b.ended for b in blockers), timeout=s.timeout, what="the blockers")
             probe = target.request(PROMPTS[2], 8)
-            return await read(trial.state.base(trial.pings), probe, ReadOptions(timeout=s.timeout))
+            return await read(trial.state.nginx.base(trial.pings), probe, ReadOptions(timeout=s.timeout))
         finally:
             await cancel(tasks)
 
@@ -229,27 +183,6 @@ KEEPALIVE = Experiment(
 
 
 # --------------------------------------------------------------------------- the browser
-
-
-class Chromium:
-    """Headless Chromium (Debian's) through its chromedriver, driven by Selenium: nothing is downloaded."""
-
-    def __init__(self, target: Any, s: Any) -> None:
-        missing = [p for p in ("chromium", "chromedriver") if shutil.which(p) is None]
-        if missing or importlib.util.find_spec("selenium") is None:
-            raise NotMeasurable("production.browser", f"{' and '.join(missing) or 'selenium'} not installed here "
-                                "(apt-get install chromium chromium-driver; selenium is a lab extra)")  # fmt: skip
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-
-        options = webdriver.ChromeOptions()
-        options.binary_location = str(shutil.which("chromium"))
-        for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--no-first-run"):
-            options.add_argument(arg)
-        self.driver = webdriver.Chrome(service=Service(executable_path=shutil.which("chromedriver")), options=options)
-
-    def close(self) -> None:
-        self.driver.quit()
 
 
 def measure_browser(trial: Trial) -> Row:
@@ -305,7 +238,7 @@ BROWSER = Experiment(
            for p in ("full", "ci")},
     conditions=lambda s, target: [{"cut_after": 0, "retry_ms": 0}, *({"cut_after": s.cut_after, "retry_ms": r}
                                                                       for r in s.retries_ms)],
-    prepare=Chromium, measure=measure_browser, tables=browser_tables, verdicts=browser_verdicts, needs=("lab",),
+    prepare=lambda target, s: Chromium(), measure=measure_browser, tables=browser_tables, verdicts=browser_verdicts, needs=("lab",),
 )  # fmt: skip
 
 

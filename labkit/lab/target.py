@@ -310,7 +310,12 @@ class Process(Target):
 
     @classmethod
     def labkit(
-        cls, model: str, *, api: API = "labkit", port: int | None = None, env: dict[str, str] | None = None,
+        cls,
+        model: str,
+        *,
+        api: API = "labkit",
+        port: int | None = None,
+        env: dict[str, str] | None = None,
         **settings: Any,
     ) -> Process:
         """``labkit serve`` on ``port`` (a free loopback one by default) with its lab routes, ``settings``

@@ -58,8 +58,12 @@ def smollm2_tokenizer():
     """
     from transformers import AutoTokenizer
 
-    folder = cached_folder("smollm2-tokenizer", _save_smollm2_tokenizer)
-    return AutoTokenizer.from_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(smollm2_tokenizer_folder()))
+
+
+def smollm2_tokenizer_folder() -> Path:
+    """The saved folder of SmolLM2's tokenizer, for programs that load one by path (GuideLLM)."""
+    return cached_folder("smollm2-tokenizer", _save_smollm2_tokenizer)
 
 
 def _save_smollm2_tokenizer(dest: Path) -> None:

@@ -3,7 +3,7 @@
 Routes live in modules named for what they serve: ``streaming`` (``/v1/stream``,
 ``/v1/generate``), ``openai`` (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``),
 ``resume`` (``/v1/streams/{id}/events``), ``lab`` (``/lab/...``, mounted only when
-``http.lab_routes`` asks for it); operations (``/stats``, ``/healthz``, ``/metrics``) are here.
+``http.lab_routes`` asks for it); operations (``/stats``, ``/healthz`` or ``/health``, ``/metrics``) are here.
 The schema and its pages (``/openapi.json``, ``/docs``, ``/redoc``) only when ``http.docs`` asks.
 Every request first passes the guards (an allowed ``Host``, ``Retry-After`` on every 503), the
 bearer-token check when ``auth_secret`` is set (:mod:`~labkit.service.auth`) and the body limit;
@@ -83,6 +83,7 @@ def _add_operations(app: FastAPI) -> None:
         return request.app.state.service.stats().as_dict()
 
     @app.get("/healthz", responses=openapi.HEALTH)
+    @app.get("/health", responses=openapi.HEALTH)  # the name vLLM, llama.cpp's server and GuideLLM use
     async def healthz(request: Request) -> Response:
         service: Service = request.app.state.service
         if service.hub.draining:

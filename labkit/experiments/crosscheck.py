@@ -1,0 +1,150 @@
+"""Notebook 03's cross-check: the lab's client beside GuideLLM, on one server, at one concurrency.
+
+The lab measures with its own client, so an error in that client would be in every number. GuideLLM
+(vLLM's benchmark tool) is an independent one: its ``concurrent`` profile keeps N requests in
+flight, as the lab's launch does, and it reports output tokens/s and inter-token latency. Here the
+two take turns against the same ``labkit serve`` process (the lab starts one, so neither client
+shares a process with the server; an external target is measured as it is), on the same OpenAI
+completions route, with the same number of streams, each ``tokens`` long past end-of-sequence.
+
+Both quantities are computed the same way on both sides: tokens/s is every output token over the
+time from the first request sent to the last stream ended, and a request's inter-token latency is
+(last token - first token) / (tokens - 1), its median over the requests.
+
+GuideLLM is a dev extra in an environment of its own (``make guidellm``: its pins differ from
+labkit's), run as a program, never imported; where it is missing the rows say so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from labkit.lab import Experiment, NotMeasurable, Process, Request, Sizes, Target, Trial, judge, span, spread
+from labkit.lab.profiles import repo_root
+from labkit.models.tokenizers import smollm2_tokenizer_folder
+from labkit.prompts import cycle
+
+TOOLS = ("lab client", "GuideLLM")
+AGREE = (0.8, 1.25)  # the band a ratio of the two clients' medians must fall in
+
+
+def guidellm_program() -> str:
+    """``$LABKIT_GUIDELLM``, the repository's ``.venv-guidellm`` (``make guidellm``), or ``guidellm`` on PATH."""
+    for found in (os.environ.get("LABKIT_GUIDELLM"), repo_root() / ".venv-guidellm" / "bin" / "guidellm",
+                  shutil.which("guidellm")):  # fmt: skip
+        if found and Path(found).is_file():
+            return str(found)
+    raise NotMeasurable("overlap.guidellm", "GuideLLM is not installed (make guidellm: a dev extra in .venv-guidellm)")
+
+
+@dataclass
+class Served:
+    """The server both clients measure, and GuideLLM's program; a server the lab started is stopped."""
+
+    target: Target
+    program: str
+    started: Process | None = None
+
+    def close(self) -> None:
+        if self.started is not None:
+            self.started.close()
+
+
+def prepare(target: Target, s: Sizes) -> Served:
+    program = guidellm_program()
+    if target.lab_owned or target.caps.settings:
+        started = Process.labkit(target.model or "", max_batch=s.streams)
+        return Served(started, program, started)
+    return Served(target, program)
+
+
+def measure(trial: Trial) -> dict[str, Any]:
+    served, s = trial.state, trial.sizes
+    if trial.tool == "GuideLLM":
+        return run_guidellm(served, s)
+    target = served.target
+    body = {"max_tokens": s.tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}} | ({"model": target.model} if target.model else {})  # fmt: skip
+    requests = [
+        Request("/v1/completions", body | {"prompt": p}, "openai", headers=target.headers) for p in cycle(s.streams)
+    ]
+    launch = target.launch(requests)
+    itl = [(st.token_times[-1] - st.token_times[0]) / (len(st.token_times) - 1) for st in launch.streams
+           if len(st.token_times) > 1]  # fmt: skip
+    return {"tokens": launch.tokens, "tokens_per_s": launch.tokens_per_s, "itl_ms": 1e3 * float(np.median(itl)),
+            "failed": sum(1 for st in launch.streams if st.failure)}  # fmt: skip
+
+
+def run_guidellm(served: Served, s: Sizes) -> dict[str, Any]:
+    """One GuideLLM run of ``streams`` requests at concurrency ``streams``; its JSON read back."""
+    with tempfile.TemporaryDirectory(prefix="labkit-guidellm-") as folder:
+        out = Path(folder) / "benchmarks.json"
+        argv = [served.program, "run", "--disable-console-interactive",
+                "--backend", f"kind=openai_http,target={served.target.url},request_format=/v1/completions",
+                "--profile", f"kind=concurrent,streams={s.streams}",
+                "--constraint", f"kind=max_requests,count={s.streams}",
+                "--data", f"kind=synthetic_text,prompt_tokens={s.prompt_tokens},output_tokens={s.tokens}",
+                "--tokenizer", f"kind=huggingface_auto,model={smollm2_tokenizer_folder()}",
+                "--output", f"kind=json,path={out}"]  # fmt: skip
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "GUIDELLM__DEFAULT_RESULTS_DIR": folder}
+        done = subprocess.run(argv, capture_output=True, timeout=s.timeout, env=env, cwd=folder, check=False)
+        if done.returncode != 0 or not out.exists():
+            said = (done.stderr or done.stdout).decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            raise RuntimeError(f"guidellm exited with {done.returncode}: {said[0][:300]}")
+        bench = json.loads(out.read_text())["benchmarks"][0]
+    metrics = bench["metrics"]
+    tokens = float(metrics["output_token_count"]["successful"]["total_sum"])
+    totals = metrics["request_totals"]
+    return {"tokens": int(tokens), "tokens_per_s": tokens / bench["duration"],
+            "itl_ms": float(metrics["inter_token_latency_ms"]["successful"]["median"]),
+            "failed": int(totals.get("errored", 0) + totals.get("incomplete", 0))}  # fmt: skip
+
+
+def tables(t: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
+    return {"tools": spread(t["rows"], "tool", ["tokens_per_s", "itl_ms"])}
+
+
+def agree(rows: pd.DataFrame, column: str) -> tuple[bool | None, str]:
+    """Whether GuideLLM's median over the lab client's lies in :data:`AGREE`, with both ranges."""
+    g = {tool: rows[rows.tool == tool][column].dropna() for tool in TOOLS}
+    if any(v.empty for v in g.values()):
+        return None, "a client measured nothing"
+    ratio = float(g["GuideLLM"].median() / g["lab client"].median())
+    ranges = "; ".join(f"{tool} {span(v, '{:.1f}')}" for tool, v in g.items())
+    return AGREE[0] <= ratio <= AGREE[1], f"GuideLLM/lab {ratio:.2f}; {ranges}"
+
+
+def verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
+    rows, n = t["rows"], len(t["rows"])
+    bar = f"GuideLLM's median over the lab client's within {AGREE[0]:g}–{AGREE[1]:g}"
+    return [
+        judge("both clients whole", "every request of both clients ended at its length", "any failed",
+              n > 0 and int(rows.failed.sum()) == 0 and bool((rows.tokens == s.streams * s.tokens).all()),
+              f"{int(rows.failed.sum())} failed; tokens per run {sorted(set(rows.tokens))}", checked=True),
+        judge("tokens/s agree", bar, "outside it", *agree(rows, "tokens_per_s")),
+        judge("inter-token latency agrees", bar, "outside it", *agree(rows, "itl_ms")),
+    ]  # fmt: skip
+
+
+GUIDELLM = Experiment(
+    name="overlap.guidellm",
+    title="The lab's client beside GuideLLM's concurrent profile: the same server, streams and length",
+    sizes={"full": {"streams": 32, "tokens": 64, "prompt_tokens": 16, "repetitions": 3, "timeout": 300.0},
+           "ci": {"streams": 8, "tokens": 16, "prompt_tokens": 16, "repetitions": 3, "timeout": 120.0}},
+    conditions=lambda s, target: [{"tool": tool} for tool in TOOLS],
+    prepare=prepare,
+    measure=measure,
+    tables=tables,
+    verdicts=verdicts,
+    alternate=True,
+)  # fmt: skip
