@@ -21,7 +21,7 @@ CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.cont
           checks.response_schema_conformance]
 WITH_INPUT = ["POST /v1/stream", "POST /v1/generate", "POST /v1/completions", "POST /v1/chat/completions",
               "GET /v1/streams/{request_id}/events"]
-WITHOUT_INPUT = ["GET /v1/models", "GET /stats", "GET /healthz", "GET /metrics"]
+WITHOUT_INPUT = ["GET /v1/models", "GET /stats", "GET /healthz", "GET /health", "GET /metrics"]
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +85,7 @@ def test_the_schema_states_what_the_routes_refuse(spec: dict[str, Any]) -> None:
     ("/v1/chat/completions", "post", {"200", "413", "422", "429", "503"}),
     ("/v1/streams/{request_id}/events", "get", {"200", "204", "404", "410", "422"}),
     ("/healthz", "get", {"200", "503"}),
+    ("/health", "get", {"200", "503"}),
 ])
 def test_every_status_a_route_answers_is_documented_with_the_envelope(
         spec: dict[str, Any], path: str, method: str, statuses: set[str]) -> None:

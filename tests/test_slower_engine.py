@@ -51,7 +51,10 @@ def checked_cells(path: Path) -> list[tuple[str, str, dict, str]]:
     return found
 
 
-CASES = [(nb.stem, *case) for nb in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")) for case in checked_cells(nb)]
+#: checked cells whose measurement never reads the slowed engine, and why
+NOT_THIS_ENGINE = {("overlap", "GUIDELLM"): "both clients read a labkit serve process the measurement starts itself"}
+CASES = [(nb.stem, *case) for nb in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")) for case in checked_cells(nb)
+         if case[:2] not in NOT_THIS_ENGINE]
 
 
 def step_seconds(lab: LocalLab) -> float:
