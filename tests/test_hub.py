@@ -99,7 +99,9 @@ def test_prefill_delivery_hands_over_the_first_token_before_the_step_ends() -> N
             stream = hub.open("x", max_new_tokens=3)
             first = await stream.get(TIMEOUT)
             assert isinstance(first, TokenEvent) and first.index == 0
-            assert engine.holding.is_set(), "the step should still be running"
+            # the step is still running: it reaches its hold after handing the token over, and
+            # cannot end before the hold is released below (the check waits for the step thread)
+            await eventually(engine.holding.is_set, "the step to hold")
             engine.hold.set()
             await read_all(stream)
             hub.close(stream)
