@@ -118,8 +118,8 @@ print(raw.checked())
 # end-of-sequence, so the two must agree exactly. The checks, one per row of the checks table:
 # the media type; the events in their order; the same text, usage and finish reason as the whole
 # answer; the stream's own end reached with nothing left unfinished; and, where the target speaks
-# labkit's own events, the request id header against the `start` event, the same token ids, and a
-# last event id equal to the number of events (what a reconnecting client sends back). Against an
+# labkit's own events, the request id header against the `start` event, the same token ids, and
+# ids that count the events one by one up to the last (what a reconnecting client sends back). Against an
 # OpenAI-compatible server those three are "not measurable" rows. A check that compares two
 # missing values (no usage in the stream and none in the answer) fails: nothing was compared.
 #

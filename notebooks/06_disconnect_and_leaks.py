@@ -19,7 +19,7 @@
 # A streamed request outlives the handler that began it, so something must notice that its
 # client has gone and give back what the request holds. The service's stream ends through one
 # idempotent close (the hub's), which asks the engine to cancel; the engine applies a cancel at
-# its next step boundary and releases the blocks in one place. Two response classes differ in
+# the following step boundary, and one function frees the blocks. Two response classes differ in
 # whether anything notices: Starlette's `StreamingResponse` listens for the disconnect and
 # cancels the body; the write-only class never listens, as Starlette's own behaves on servers
 # that speak ASGI 2.4. Four measurements: when the server notices at five moments, FIN against
@@ -109,7 +109,7 @@ moments.plot();
 # FIN client and an RST client leaving at the same point of a step: right after the head, or
 # right after the same token event (which arrives right after a step ended). The waves run a few
 # pairs at once, up to the batch limit. The effect is the paired difference, FIN minus RST, in
-# the time from the client's close to the hub's close: its median with a 95% interval (order
+# the time from the client's close to the hub's close: its median with a 95% interval (95%: a coverage level fixed before measuring) (order
 # statistics), and Wilcoxon's signed-rank test beside it.
 #
 # * **FIN and RST alike** (per moment): the two ways differ by less than an equivalence margin
@@ -188,7 +188,7 @@ print(stop.checked())
 # * **listening saves work**: the listening class makes fewer tokens per token its leaving clients
 #   read than the write-only one, in every run. Falsified by any run where it does not.
 # * **not listening costs time**: the write-only class takes longer for the same plan (until the
-#   engine let go of the last stream). Falsified if the 95% interval of the ratio of the classes'
+#   engine let go of the last stream). Falsified if the 95% interval (95%: a coverage level fixed before measuring) of the ratio of the classes'
 #   times lies below one; "unclear" while it straddles it.
 
 # %%

@@ -7,8 +7,8 @@ two take turns against the same ``labkit serve`` process (the lab starts one, so
 shares a process with the server; an external target is measured as it is), on the same OpenAI
 completions route, with the same number of streams, each ``tokens`` long past end-of-sequence.
 
-Both quantities are computed the same way on both sides: tokens/s is every output token over the
-time from the first request sent to the last stream ended, and a request's inter-token latency is
+Both quantities are computed the same way on both sides: tokens/s divides all output tokens by the
+span between the earliest request and the latest end of a stream, and a request's inter-token latency is
 (last token - first token) / (tokens - 1), its median over the requests.
 
 GuideLLM is a dev extra in an environment of its own (``make guidellm``: its pins differ from
