@@ -219,10 +219,15 @@ delivery.plot();
 # ## 5. What the client in this process costs the numbers above
 #
 # Every measurement above runs the server in a thread of this notebook's own interpreter, beside
-# the client that reads it, and the two share the interpreter's lock and the cores. The same top
-# level is served here from a thread and from a process of its own, interleaved: the ratio says
-# how far the absolute tokens/s above understate what the server does alone (notebook 09 runs
-# every server in its own process). Ratios within this notebook compare like with like.
+# the client that reads it, and the two share the interpreter's lock and the cores. They share one
+# more thing: the parallel loops' threads. This notebook's main thread loaded the model and ran
+# loops of its own, so the server's step thread is a second OpenMP team in the process, and with
+# more teams' threads than cores every loop waits for a sleeping worker to wake; a server in a
+# process of its own gives its main thread's team up and leaves the step thread the only one
+# (`labkit/engine/threads.py`). The same top level is served here from a thread and from a process
+# of its own, interleaved: the ratio says how far the absolute tokens/s above understate what the
+# server does alone (notebook 09 runs every server in its own process). Ratios within this notebook
+# compare like with like.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

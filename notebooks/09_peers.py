@@ -156,7 +156,9 @@ load.plot();
 #   transformers serve's. Falsified if the first interval lies below 1.2 or the second below two.
 # * **one stream: HTTP costs little**: one stream over HTTP against one stream through the engine
 #   alone, from submit to its last token. Falsified if the interval lies below 0.9. The ratio to
-#   llama.cpp's one stream is shown beside it.
+#   llama.cpp's one stream is shown beside it. (The engine alone runs on this notebook's main
+#   thread; the server steps on its step thread, and gives its own main thread's OpenMP team up
+#   when the step thread starts, so that one team runs the loops, as here: `labkit/engine/threads.py`.)
 #
 # The servers side by side (this table is the README's):
 

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 from service_helpers import FakeEngine, eventually, indices, read_all, run, running_hub
 
 from labkit.engine.config import EngineConfig
@@ -308,14 +309,44 @@ def test_drain_closes_streams_whose_readers_never_come_back() -> None:
 
 
 def test_stop_cancels_what_is_live_and_joins_the_step_thread() -> None:
+    def step_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "labkit-step"}
+
     async def body() -> None:
         engine = FakeEngine()
+        others = step_threads()  # another test's server may still be running in this process
         async with running_hub(engine) as hub:
             stream = hub.open("x", max_new_tokens=10_000)
             await stream.get(TIMEOUT)
+            assert len(step_threads() - others) == 1
         assert ("cancel", stream.rid) in engine.calls and not engine.requests
-        assert not any(t.name == "labkit-step" for t in threading.enumerate())
+        assert not step_threads() - others
     run(body)
+
+
+def test_the_parallel_loops_run_on_the_step_thread_and_come_back_after_stop() -> None:
+    """The step thread is the process's one OpenMP team (labkit.engine.threads): the thread that
+    starts the hub runs one thread while it runs, the step thread the count that thread had."""
+    seen: list[int] = []
+
+    class Counting(FakeEngine):
+        def step(self, on_event: Any = None) -> list[Any]:
+            seen.append(torch.get_num_threads())
+            return super().step(on_event)
+
+    async def body() -> None:
+        async with running_hub(Counting()) as hub:
+            assert torch.get_num_threads() == 1
+            stream = hub.open("x", max_new_tokens=3)
+            await read_all(stream)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run(body)
+        assert seen and set(seen) == {2} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_failing_step_ends_open_streams_with_an_internal_error() -> None:

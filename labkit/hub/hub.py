@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from labkit.engine.events import Event, FinishEvent, TokenEvent
+from labkit.engine.threads import leave_parallel_loops, take_parallel_loops
 from labkit.errors import LabkitError
 from labkit.hub.config import HubConfig
 from labkit.hub.policies import Decision, Flow, make_policy
@@ -133,6 +134,7 @@ class Hub:
         self._thread = StepThread(
             self.engine,
             self._loop,
+            threads=leave_parallel_loops(),  # the step thread is the process's one OpenMP team
             deliver=self._deliver,
             waits_for_reader=self.policy.waits_for_reader,
             on_error=self._fail_open,
@@ -152,6 +154,7 @@ class Hub:
         if thread is not None:
             thread.join(timeout)
             self._errors += thread.errors
+            take_parallel_loops(thread.threads)  # the loops come back to the thread that started the hub
 
     async def aclose(self, timeout: float = 10.0) -> None:
         """:meth:`stop` from the loop, without blocking it (late deliveries still run)."""

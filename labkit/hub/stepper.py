@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from labkit.engine.events import Event, TokenEvent
+from labkit.engine.threads import take_parallel_loops
 
 log = logging.getLogger("labkit.hub")
 
@@ -45,11 +46,13 @@ class StepThread:
         on_error: OnError,
         first_token: str,
         idle_wait: float,
+        threads: int,
     ) -> None:
         self.engine, self.loop = engine, loop
         self._deliver, self._waits, self._on_error = deliver, waits_for_reader, on_error
         self._prefill_first = first_token == "prefill"
         self._idle_wait = idle_wait
+        self.threads = threads  # the parallel loops' threads, all on this thread (labkit.engine.threads)
         self._checks: list[Future[None]] = []
         self._checks_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -81,6 +84,7 @@ class StepThread:
 
     # -- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
+        take_parallel_loops(self.threads)
         while not self._stopping.is_set():
             if self.engine.wait_for_work(self._idle_wait):
                 self._step()
