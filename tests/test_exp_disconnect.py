@@ -151,3 +151,14 @@ def test_labkit_run_against_labkit_in_its_own_process_with_lab_routes(tmp_path):
     for part in ("moments", "stop"):
         verdicts = json.loads((data / part / "results.json").read_text())["verdicts"]
         assert all(v["outcome"] == "holds" for v in verdicts if v["checked"]), verdicts
+
+
+def test_the_margin_is_counted_in_decode_steps_not_in_idle_ones():
+    """A wave that leaves before its first token logs many steps that decode nothing (a cancel
+    applied, a turn with nothing to do): a fraction of a millisecond each. The margin's unit is the
+    decode step, so those cannot shrink it to nothing."""
+    idle = [(i, 0.0, 0.0002, 0, 0, 0) for i in range(1, 30)]
+    decoding = [(i, 0.0, 0.030, 4, 0, 0) for i in range(30, 40)]
+    log = pd.DataFrame(idle + decoding, columns=["step", "started", "seconds", "decoded", "prefilled", "prefill_tokens"])
+    assert disconnect.decode_step_ms(log) == pytest.approx(30.0)
+    assert disconnect.decode_step_ms(log[log.decoded == 0]) == pytest.approx(0.2)  # no decode step: every step

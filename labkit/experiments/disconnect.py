@@ -7,7 +7,7 @@
   (noticed) → the release, in ms and in engine steps, and the tokens nobody read.
 * :data:`FIN_RST`: many such pairs, each leaving at one point of a step: is a FIN noticed later?
   The paired differences get a rank test and a 95% interval for their median, judged against a
-  margin of ``margin_steps`` of the server's step, fixed before measuring.
+  margin of ``margin_steps`` of the server's decode step, fixed before measuring.
 * :data:`STOP`: any target. Streams read ``hold_tokens``, then all leave: does the server stop
   generating? Witnessed by the best it offers: its records, ``/stats`` or ``/metrics`` (requests
   running), its CPU time, else a follow-up request's pace; idle, while the streams run, after.
@@ -176,10 +176,17 @@ MOMENTS = Experiment(
 
 def measure_pairs(trial: Trial) -> list[dict[str, Any]]:
     clients, records, log = run_sync(wave(trial.target, trial.sizes, trial.moment))
-    rows, step_ms = [trial_row(c, r, log) for c, r in zip(clients, records)], 1e3 * log.seconds.median()
+    rows, step_ms = [trial_row(c, r, log) for c, r in zip(clients, records)], decode_step_ms(log)
     return [{"pair": i, "fin_ms": f.get("notice_ms", np.nan), "rst_ms": r.get("notice_ms", np.nan), "step_ms": step_ms,
              "fin_admitted": f.get("ever_admitted"), "rst_admitted": r.get("ever_admitted")}
             for i, (f, r) in enumerate(zip(rows[::2], rows[1::2]))]  # fmt: skip
+
+
+def decode_step_ms(log: pd.DataFrame) -> float:
+    """The wave's median decode step, the margin's unit: steps that decoded nothing (a cancel
+    applied, an idle turn) take a fraction of a millisecond and would shrink the margin to nothing."""
+    decoding = log[log.decoded > 0]
+    return float(1e3 * (decoding if len(decoding) else log).seconds.median())
 
 
 def pair_tables(t: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
