@@ -113,9 +113,11 @@ moments.plot();
 # statistics), and Wilcoxon's signed-rank test beside it.
 #
 # * **FIN and RST alike** (per moment): the two ways differ by less than an equivalence margin
-#   fixed here, before measuring: a tenth of the server's median decode step in the same wave
-#   (steps that decode nothing take a fraction of a millisecond), because the engine acts on a
-#   close only at a step boundary, so a difference well inside a step changes nothing it does.
+#   fixed here, before measuring: a tenth of the server's median step among those that ran the
+#   model (decoded or prefilled) in the moment's waves, because the engine acts on a close only at
+#   a step boundary, so a difference well inside a step changes nothing it does. (Steps that only
+#   apply cancels take a fraction of a millisecond; where no wave of a moment ran the model, as
+#   when every client leaves before admission, the moment takes every moment's step.)
 #   Holds when the interval lies inside the margin; falsified when it lies wholly outside;
 #   "unclear" while it crosses an edge. A count of admitted requests is not the criterion: such
 #   counts differ by chance between small groups that behave alike.

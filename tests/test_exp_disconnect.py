@@ -153,12 +153,20 @@ def test_labkit_run_against_labkit_in_its_own_process_with_lab_routes(tmp_path):
         assert all(v["outcome"] == "holds" for v in verdicts if v["checked"]), verdicts
 
 
-def test_the_margin_is_counted_in_decode_steps_not_in_idle_ones():
-    """A wave that leaves before its first token logs many steps that decode nothing (a cancel
-    applied, a turn with nothing to do): a fraction of a millisecond each. The margin's unit is the
-    decode step, so those cannot shrink it to nothing."""
+def test_the_margin_is_counted_in_steps_that_ran_the_model_not_in_idle_ones():
+    """A wave that leaves before its first token logs many steps that ran nothing (a cancel
+    applied, a turn with nothing to do): a fraction of a millisecond each. The margin's unit is a
+    step that decoded or prefilled, so those cannot shrink it to nothing; a wave with none has no
+    unit of its own (NaN), and its moment takes every moment's."""
+    columns = ["step", "started", "seconds", "decoded", "prefilled", "prefill_tokens"]
     idle = [(i, 0.0, 0.0002, 0, 0, 0) for i in range(1, 30)]
-    decoding = [(i, 0.0, 0.030, 4, 0, 0) for i in range(30, 40)]
-    log = pd.DataFrame(idle + decoding, columns=["step", "started", "seconds", "decoded", "prefilled", "prefill_tokens"])
-    assert disconnect.decode_step_ms(log) == pytest.approx(30.0)
-    assert disconnect.decode_step_ms(log[log.decoded == 0]) == pytest.approx(0.2)  # no decode step: every step
+    decoding = [(i, 0.0, 0.030, 4, 0, 0) for i in range(30, 36)]
+    prefilling = [(i, 0.0, 0.040, 0, 2, 80) for i in range(36, 40)]
+    log = pd.DataFrame(idle + decoding + prefilling, columns=columns)
+    assert disconnect.working_step_ms(log) == pytest.approx(30.0)
+    assert disconnect.working_step_ms(log[log.step >= 36]) == pytest.approx(40.0)
+    assert np.isnan(disconnect.working_step_ms(log[log.decoded + log.prefilled == 0]))
+    rows = pd.DataFrame({"moment": ["before_first"] * 6 + ["mid"] * 6, "fin_ms": [2.0] * 12, "rst_ms": [1.0] * 12,
+                         "step_ms": [np.nan] * 6 + [60.0] * 6, "fin_admitted": False, "rst_admitted": False})
+    table = disconnect.pair_tables({"rows": rows}, disconnect.FIN_RST.sizes_for("ci"))["fin_rst"].set_index("moment")
+    assert table.margin_ms.to_dict() == pytest.approx({"before_first": 6.0, "mid": 6.0})

@@ -7,7 +7,7 @@
   (noticed) → the release, in ms and in engine steps, and the tokens nobody read.
 * :data:`FIN_RST`: many such pairs, each leaving at one point of a step: is a FIN noticed later?
   The paired differences get a rank test and a 95% interval for their median, judged against a
-  margin of ``margin_steps`` of the server's decode step, fixed before measuring.
+  margin of ``margin_steps`` of the server's working step, fixed before measuring.
 * :data:`STOP`: any target. Streams read ``hold_tokens``, then all leave: does the server stop
   generating? Witnessed by the best it offers: its records, ``/stats`` or ``/metrics`` (requests
   running), its CPU time, else a follow-up request's pace; idle, while the streams run, after.
@@ -176,17 +176,19 @@ MOMENTS = Experiment(
 
 def measure_pairs(trial: Trial) -> list[dict[str, Any]]:
     clients, records, log = run_sync(wave(trial.target, trial.sizes, trial.moment))
-    rows, step_ms = [trial_row(c, r, log) for c, r in zip(clients, records)], decode_step_ms(log)
+    rows, step_ms = [trial_row(c, r, log) for c, r in zip(clients, records)], working_step_ms(log)
     return [{"pair": i, "fin_ms": f.get("notice_ms", np.nan), "rst_ms": r.get("notice_ms", np.nan), "step_ms": step_ms,
              "fin_admitted": f.get("ever_admitted"), "rst_admitted": r.get("ever_admitted")}
             for i, (f, r) in enumerate(zip(rows[::2], rows[1::2]))]  # fmt: skip
 
 
-def decode_step_ms(log: pd.DataFrame) -> float:
-    """The wave's median decode step, the margin's unit: steps that decoded nothing (a cancel
-    applied, an idle turn) take a fraction of a millisecond and would shrink the margin to nothing."""
-    decoding = log[log.decoded > 0]
-    return float(1e3 * (decoding if len(decoding) else log).seconds.median())
+def working_step_ms(log: pd.DataFrame) -> float:
+    """The wave's median step that ran the model (decoded or prefilled), the margin's unit; NaN
+    where none did (every client of a wave that leaves before its first token may go before
+    admission). Steps that only applied cancels take a fraction of a millisecond and would shrink
+    the margin to nothing."""
+    working = log[(log.decoded > 0) | (log.prefilled > 0)]
+    return float(1e3 * working.seconds.median()) if len(working) else float("nan")
 
 
 def pair_tables(t: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
@@ -196,11 +198,12 @@ def pair_tables(t: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]
 
     out = []
     rows = t["rows"].assign(diff_ms=lambda r: r.fin_ms - r.rst_ms).dropna(subset=["diff_ms"])
+    every_step = rows.step_ms.median()  # a moment none of whose waves ran the model: every moment's step
     for moment, g in rows.groupby("moment", sort=False):
         ci, p = interval(g.diff_ms.to_numpy()), float(wilcoxon(g.diff_ms).pvalue) if g.diff_ms.any() else 1.0
         out.append({"moment": moment, "pairs": len(g), "fin_ms": g.fin_ms.median(), "rst_ms": g.rst_ms.median(),
                     "diff_ms": ci.estimate, "ci_low": ci.low, "ci_high": ci.high, "wilcoxon_p": p,
-                    "margin_ms": s.margin_steps * g.step_ms.median(), "fin_later": int((g.diff_ms > 0).sum()),
+                    "margin_ms": s.margin_steps * (g.step_ms.median() if g.step_ms.notna().any() else every_step), "fin_later": int((g.diff_ms > 0).sum()),
                     "fin_admitted": int(g.fin_admitted.sum()), "rst_admitted": int(g.rst_admitted.sum())})  # fmt: skip
     return {"fin_rst": pd.DataFrame(out)}
 
