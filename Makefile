@@ -74,7 +74,7 @@ bench: $(STAMP)
 # tests/test_notebooks.py fails if a notebook and its .py source have drifted apart.
 test: system-deps $(STAMP) guidellm lint
 	LABKIT_PROFILE=ci $(PY) -m pytest -q tests notebooks --nbval-lax --nbval-current-env \
-		--nbval-cell-timeout=600 --nbval-sanitize-with notebooks/nbval_sanitize.cfg --durations=15
+		--nbval-cell-timeout=600 --nbval-sanitize-with notebooks/nbval_sanitize.cfg --durations=40
 
 # JupyterLab on this machine only, with the streamlab kernel; the notebooks run the full
 # profile unless started as `LABKIT_PROFILE=ci make jupyter`.
