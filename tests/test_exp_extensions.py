@@ -90,6 +90,17 @@ def test_a_client_that_left_by_rst_resumes_exactly_and_is_forgotten_after_the_gr
                                                              "forgotten after the grace": "holds"}  # fmt: skip
 
 
+def test_a_run_that_ends_within_the_grace_is_kept_a_grace_after_its_end_and_then_forgotten(tiny_gpt2):
+    """The grace starts when the last follower leaves and again when the run ends within it (a
+    finished log is kept a grace after it finished). A run that ends 2.5 s after its client left,
+    with a 3 s grace, is still there 1.5 graces + 0.5 s after the leave; coming back a grace after
+    the engine let the request go finds it forgotten, however long the run took."""
+    with LocalLab(tiny_gpt2, step_delay=0.05) as target:
+        result = run(extensions.RESUME, target, save=False, show=False, tokens=52, leave_after=(1,), grace_s=3.0,
+                     repetitions=1)  # fmt: skip
+    assert result.table("rows").set_index("come_back").loc["after the grace", "status"] == 404
+
+
 # --------------------------------------------------------------------------- eager formatting
 
 

@@ -143,7 +143,12 @@ def measure_resume(trial: Trial) -> dict[str, Any]:
                        ReadOptions(leave_after_tokens=trial.leave_after, leave_by="rst"))  # fmt: skip
     start = next((e.data for e in left.events if e.event == "start"), {})
     if trial.come_back == "after the grace":
-        run_sync(asyncio.sleep(1.5 * s.grace_s + 0.5))  # the server's timer, in seconds: no engine in it
+        # The grace runs from the last follower's leave, and again from the run's end if it ends within
+        # it (a finished log is kept a grace after it finished): so wait for the engine to let the
+        # request go, then the grace. Seconds, for the server's timer is in seconds: no engine in it.
+        if target.caps.lab:
+            target.released([left.request_id], timeout=300.0)
+        run_sync(asyncio.sleep(1.5 * s.grace_s + 0.5))
     headers = {**target.headers, "Last-Event-ID": left.last_event_id, "X-Resume-Token": start.get("resume_token", "")}
     back = target.read(Request(f"/v1/streams/{left.request_id}/events", None, "labkit", "GET", headers))
     ids, last = [int(e.id) for e in back.events if e.id], int(left.last_event_id or 0)
