@@ -59,10 +59,11 @@ def rules_rows(cut_requests: int = 3, gateway_requests: int = 1, delay: float = 
     session = {"opens": 2, "events": 10, "in_order_once": True, "closed": True, "resume_status": 204, "resume_type": "",
                "resume_body": 0, "requests": cut_requests, "statuses": "200 200 204"}  # fmt: skip
     closed = {"opens": 0, "events": 0, "in_order_once": True, "closed": True, "cut_delay_ms": None, "end_delay_ms": None}
-    return (reps(2, case=CUT, cut_delay_ms=delay, end_delay_ms=delay, **session)
-            + reps(2, case=RETRY, cut_delay_ms=310.0, end_delay_ms=309.0, **session)
-            + reps(2, case=GATEWAY, requests=gateway_requests, statuses=" ".join(["502"] * gateway_requests), **closed)
-            + reps(2, case=JSON, requests=1, statuses="200", **closed))  # fmt: skip
+    n = edge.RULES.sizes_for("ci").repetitions  # the closes check counts every repetition's rows
+    return (reps(n, case=CUT, cut_delay_ms=delay, end_delay_ms=delay, **session)
+            + reps(n, case=RETRY, cut_delay_ms=310.0, end_delay_ms=309.0, **session)
+            + reps(n, case=GATEWAY, requests=gateway_requests, statuses=" ".join(["502"] * gateway_requests), **closed)
+            + reps(n, case=JSON, requests=1, statuses="200", **closed))  # fmt: skip
 
 
 def test_eventsource_rules_hold_on_their_counts_and_each_fails_on_its_own():

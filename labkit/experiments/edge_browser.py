@@ -129,7 +129,7 @@ def rules_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
 RULES = Experiment(
     name="edge.rules", title="EventSource in Chromium: reconnect delays, and what stops it",
     sizes={p: {"tokens": 8, "drop_after": 4, "retry_ms": 300, "watch_s": 3.5, "repetitions": n}
-           for p, n in (("full", 3), ("ci", 2))},
+           for p, n in (("full", 3), ("ci", 1))},
     conditions=lambda s, target: [{"case": c} for c in (CUT, RETRY, GATEWAY, JSON)], measure=measure_rules,
     prepare=lambda target, s: Components.start(browser=lambda: Chromium(script=SCRIPT), nginx=lambda: Nginx(
         [Route("app", target.url, buffering=False), Route("gone", f"http://127.0.0.1:{free_port()}")])),

@@ -117,7 +117,7 @@ FULL_BATCH = Experiment(
     sizes={"full": {"batch": 4, "slow": 2, "fast": 4, "slow_tokens": 64, "fast_tokens": 64, "high_water": 16,
                     "stall_timeouts": (0.25, 1.0), "pad_bytes": 4096, "repetitions": 6},
            "ci": {"batch": 4, "slow": 2, "fast": 4, "slow_tokens": 64, "fast_tokens": 300, "high_water": 16,
-                  "stall_timeouts": (0.1, 0.25), "pad_bytes": 4096, "repetitions": 3}},
+                  "stall_timeouts": (0.1, 0.25), "pad_bytes": 4096, "repetitions": 2}},
     conditions=lambda s, target: [{"policy": "pause", "stall_s": math.inf}]
     + [{"policy": "pause_then_drop", "stall_s": t} for t in s.stall_timeouts],
     server=lambda s, c: {"policy": c["policy"], "stall_timeout": min(c["stall_s"], 60.0), "max_batch": s.batch,

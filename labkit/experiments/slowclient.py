@@ -215,7 +215,7 @@ POLICIES = Experiment(
         "full": {"policies": HUB_POLICIES, "streams": 8, "slow_counts": (0, 1, 2, 4), "tokens": 32, "pad_bytes": 65536,
                  "sndbuf": 16384, "high_water": 8, "stall_steps": 6, "slow_fraction": 0.33, "slow_pace_s": 0.05,
                  "slow_rcvbuf": 65536, "slow_timeout_s": 300.0, "repetitions": 2},
-        "ci": {"policies": HUB_POLICIES, "streams": 4, "slow_counts": (0, 1, 2), "tokens": 96, "pad_bytes": 4096,
+        "ci": {"policies": HUB_POLICIES, "streams": 4, "slow_counts": (0, 1), "tokens": 96, "pad_bytes": 4096,
                "sndbuf": 4096, "high_water": 8, "stall_steps": 8, "slow_fraction": 0.25, "slow_pace_s": 0.02,
                "slow_rcvbuf": 4096, "slow_timeout_s": 120.0, "repetitions": 2},
     },
