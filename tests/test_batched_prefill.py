@@ -42,7 +42,7 @@ def test_a_prompt_gets_the_same_logits_whatever_it_is_packed_with(tiny_llama: Lo
 
 def test_a_steps_decodes_and_prompt_chunks_share_one_pass_within_the_token_budget(tiny_gpt2: LoadedModel,
                                                                                    monkeypatch) -> None:
-    engine = make_engine(tiny_gpt2, step_tokens=50)
+    engine = make_engine(tiny_gpt2, step_tokens=50, surge_tokens=None)
     calls = []
     original = engine.runner.network.qkv
     monkeypatch.setattr(engine.runner.network, "qkv",
@@ -95,7 +95,7 @@ def test_prompts_admitted_together_generate_what_each_generates_alone(tiny_model
 
 
 def test_a_prompts_first_token_comes_from_the_step_that_runs_its_last_chunk(tiny_gpt2: LoadedModel) -> None:
-    engine = make_engine(tiny_gpt2, step_tokens=12)
+    engine = make_engine(tiny_gpt2, step_tokens=12, surge_tokens=None)
     rids = [engine.submit([5 + i] * 5, max_new_tokens=2) for i in range(6)]  # 5 tokens each
     first = [e.rid for e in engine.step()]  # prompts 0 and 1 whole, 2 tokens of prompt 2
     second = [e.rid for e in engine.step()]  # decodes of 0 and 1, then the rest of 2, all of 3, 2 tokens of 4

@@ -111,7 +111,7 @@ def test_a_prompt_beside_31_running_streams_gets_its_solo_logits_and_tokens(tiny
     others = [engine.submit(_prompt(2 + i % 3, seed=100 + i, vocab=tiny_model.vocab_size), max_new_tokens=250,
                             ignore_eos=True) for i in range(31)]
     outcomes: dict = {}
-    for _ in range(200):  # until all 31 decode (93 steps at a budget of one prompt token a step)
+    for _ in range(200):  # until all 31 decode (a surge at an idle engine starts them at once)
         if sum(1 for s in engine.scheduler.running if s.decoding) == 31:
             break
         collect(engine.step(), outcomes)
@@ -131,7 +131,7 @@ def test_a_prompt_beside_31_running_streams_gets_its_solo_logits_and_tokens(tiny
 
 # -- the budget: decode first, prompts in arrival order ------------------------------------------
 def test_a_prompt_longer_than_the_budget_is_prefilled_over_several_steps(tiny_gpt2: LoadedModel) -> None:
-    engine = make_engine(tiny_gpt2, step_tokens=8)
+    engine = make_engine(tiny_gpt2, step_tokens=8, surge_tokens=None)
     rid = engine.submit(list(range(10, 60)), max_new_tokens=3, ignore_eos=True)  # 50 tokens: 7 chunks
     outcomes: dict = {}
     for _ in range(7):
@@ -157,8 +157,75 @@ def test_decode_rows_over_the_budget_still_leave_one_prompt_token_a_step(tiny_gp
     assert not any(e.rid == rid for events in steps[:-1] for e in events)
 
 
+def test_a_surge_of_prompts_at_an_idle_engine_starts_under_the_surge_budget(tiny_llama: LoadedModel) -> None:
+    prompts = [_prompt(8, seed=30 + i, vocab=tiny_llama.vocab_size) for i in range(14)]
+    engine = make_engine(tiny_llama, step_tokens=8, surge_tokens=100)
+    rids = [engine.submit(p, max_new_tokens=4, ignore_eos=True) for p in prompts]
+    outcomes: dict = {}
+    first = engine.step()
+    assert {e.rid for e in first} == set(rids[:12]), "twelve prompts of 8 tokens (and 4 of the next) fill 100"
+    collect(first, outcomes)
+    collect(engine.step(), outcomes)  # twelve streams decode, two prompts could start: no surge, 1 prompt token
+    assert [(r.decoded, r.prefill_tokens, r.surge) for r in engine.step_log] == [(0, 100, True), (12, 1, False)]
+    drain(engine, outcomes)
+    for prompt, rid in zip(prompts, rids):
+        alone = make_engine(tiny_llama, step_tokens=None)
+        solo = alone.submit(prompt, max_new_tokens=4, ignore_eos=True)
+        assert outcomes[rid].tokens == drain(alone)[solo].tokens
+    assert_all_released(engine)
+
+
+def test_in_a_surge_no_prompt_takes_more_than_the_small_budget(tiny_gpt2: LoadedModel) -> None:
+    engine = make_engine(tiny_gpt2, step_tokens=8, surge_tokens=1000)
+    for i in range(2):
+        engine.submit([20 + i], max_new_tokens=40, ignore_eos=True)
+    engine.step()  # two one-token prompts at an idle engine: both start
+    long = [engine.submit(list(range(30, 230)), max_new_tokens=1) for _ in range(3)]  # 3 long prompts, 2 streams
+    engine.step()
+    assert [(r.decoded, r.prefill_tokens, r.surge) for r in engine.step_log][-1] == (2, 24, True), (
+        "a surge moves each prompt by one small budget: three prompts, 3 x 8 tokens, never 998")
+    assert [engine.scheduler.live[rid].num_prefilled for rid in long] == [8, 8, 8]
+
+
+def test_a_long_prompt_among_running_streams_is_chunked_by_the_small_budget(tiny_gpt2: LoadedModel) -> None:
+    engine = make_engine(tiny_gpt2, step_tokens=8, surge_tokens=1000)
+    for i in range(4):
+        engine.submit([20 + i], max_new_tokens=40, ignore_eos=True)
+    engine.step()  # four one-token prompts: a surge at an idle engine, all start
+    rid = engine.submit(list(range(30, 80)), max_new_tokens=2)  # one prompt starting, four streams it would stall
+    for _ in range(3):
+        engine.step()
+    assert [(r.decoded, r.prefill_tokens, r.surge) for r in engine.step_log] == [(0, 4, True)] + [(4, 4, False)] * 3
+    assert engine.scheduler.live[rid].num_prefilled == 12
+
+
+def test_prompts_that_could_not_be_admitted_now_do_not_make_a_surge(tiny_gpt2: LoadedModel) -> None:
+    engine = make_engine(tiny_gpt2, step_tokens=8, surge_tokens=1000, num_blocks=60)  # blocks of 4 tokens
+    for i in range(4):
+        engine.submit([20 + i], max_new_tokens=40, ignore_eos=True)  # 11 blocks each
+    engine.step()
+    engine.submit(list(range(30, 80)), max_new_tokens=2)  # 13 blocks: 3 left
+    engine.step()
+    held = [engine.submit(list(range(90, 100)), max_new_tokens=30) for _ in range(5)]  # 10 blocks each: no room
+    engine.pause(held[0])  # and a paused one is stepped over, as admission does
+    engine.step()
+    assert [(r.decoded, r.prefill_tokens, r.surge) for r in engine.step_log][-2:] == [(4, 4, False)] * 2
+    assert all(engine.scheduler.live[rid].status.value == "waiting" for rid in held)
+
+
+def test_paused_prompts_do_not_make_a_surge(tiny_gpt2: LoadedModel) -> None:
+    engine = make_engine(tiny_gpt2, step_tokens=8, surge_tokens=1000)
+    engine.submit([20], max_new_tokens=40, ignore_eos=True)
+    engine.step()
+    held = [engine.submit(list(range(30, 60)), max_new_tokens=2) for _ in range(3)]
+    for rid in held[1:]:
+        engine.pause(rid)
+    engine.step()  # one decoding stream, one prompt that may start: 8 - 1 = 7 tokens of it
+    assert [(r.decoded, r.prefill_tokens, r.surge) for r in engine.step_log][-1] == (1, 7, False)
+
+
 def test_prompts_are_prefilled_in_arrival_order_a_chunk_after_another(tiny_gpt2: LoadedModel) -> None:
-    engine = make_engine(tiny_gpt2, step_tokens=6)
+    engine = make_engine(tiny_gpt2, step_tokens=6, surge_tokens=None)
     older = engine.submit(list(range(10, 20)), max_new_tokens=1)
     newer = engine.submit(list(range(20, 25)), max_new_tokens=1)
     assert engine.step() == [] and engine.scheduler.live[newer].status.value == "waiting"
@@ -168,7 +235,7 @@ def test_prompts_are_prefilled_in_arrival_order_a_chunk_after_another(tiny_gpt2:
 
 
 def test_cancelling_a_prompt_in_mid_prefill_releases_its_blocks_once(tiny_gpt2: LoadedModel) -> None:
-    engine = make_engine(tiny_gpt2, step_tokens=4)
+    engine = make_engine(tiny_gpt2, step_tokens=4, surge_tokens=None)
     rid = engine.submit(list(range(10, 40)), max_new_tokens=5)
     engine.step()
     assert engine.scheduler.live[rid].num_prefilled == 4
@@ -184,7 +251,7 @@ def test_cancelling_a_prompt_in_mid_prefill_releases_its_blocks_once(tiny_gpt2: 
 def test_a_paused_prompt_keeps_its_slot_and_prefill_and_resumes_to_its_solo_tokens(tiny_llama: LoadedModel) -> None:
     ids = _prompt(30, seed=8, vocab=tiny_llama.vocab_size)
     solo_tokens, _ = _solo(tiny_llama, ids)
-    engine = make_engine(tiny_llama, step_tokens=4)
+    engine = make_engine(tiny_llama, step_tokens=4, surge_tokens=None)
     other = engine.submit([9, 8, 7], max_new_tokens=12, ignore_eos=True)
     rid = engine.submit(ids, max_new_tokens=8, ignore_eos=True, request_id="target")
     outcomes: dict = {}
@@ -203,7 +270,7 @@ def test_a_paused_prompt_keeps_its_slot_and_prefill_and_resumes_to_its_solo_toke
 
 
 def test_cancelling_a_paused_prompt_in_mid_prefill_releases_it_once(tiny_gpt2: LoadedModel) -> None:
-    engine = make_engine(tiny_gpt2, step_tokens=3)
+    engine = make_engine(tiny_gpt2, step_tokens=3, surge_tokens=None)
     rid = engine.submit(list(range(10, 30)), max_new_tokens=5)
     engine.step()
     engine.pause(rid)
@@ -214,7 +281,14 @@ def test_cancelling_a_paused_prompt_in_mid_prefill_releases_it_once(tiny_gpt2: L
     assert_all_released(engine)
 
 
+@pytest.mark.parametrize("name", ["step_tokens", "surge_tokens"])
 @pytest.mark.parametrize("bad", [0, -4, 2.5, True, "64"])
-def test_step_tokens_must_be_a_positive_int_or_none(bad: object) -> None:
-    with pytest.raises(ValueError, match="step_tokens"):
-        EngineConfig(step_tokens=bad)  # type: ignore[arg-type]
+def test_the_budgets_must_be_positive_ints_or_none(name: str, bad: object) -> None:
+    with pytest.raises(ValueError, match=name):
+        EngineConfig(**{name: bad})
+
+
+def test_a_surge_budget_below_the_step_budget_is_refused() -> None:
+    with pytest.raises(ValueError, match="surge_tokens .8. must be at least step_tokens .64."):
+        EngineConfig(step_tokens=64, surge_tokens=8)
+    assert EngineConfig(step_tokens=None, surge_tokens=8).surge_tokens == 8  # unchunked: no budget to widen

@@ -19,8 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def open_and_hold(server: Any, count: int) -> list[RawClient]:
-    """``count`` running streams, paused in the engine so they stay open until the drain."""
-    return [occupy_a_slot(server) for _ in range(count)]
+    """``count`` running streams, paused in the engine so they stay open until the drain (each long
+    enough that it cannot end before its pause lands, however slowly this thread gets the GIL)."""
+    return [occupy_a_slot(server, max_new_tokens=480) for _ in range(count)]
 
 
 def test_drain_ends_open_streams_with_a_shutdown_error_then_refuses_with_503(tiny_gpt2: Any) -> None:

@@ -9,13 +9,13 @@ import torch
 _DTYPES = ("float32", "bfloat16", "float16")
 _ATTENTION = ("auto", "kernel", "gather")  # attention.py ATTENTION_MODES (kept light: no torch import there)
 _MATMUL = ("auto", "kernel", "library")  # matmul.py MATMUL_MODES
-# Measured (notebook 09's budget sweep and burst, first with a script since folded into it: 32 streams of 64 tokens and a 1,000-token burst among 31, one
-# thread on 2 loaded cores, 2 rounds): 32 gave the smoothest gaps (p99 1.9-2.5x the median) but
-# leaves one prompt token a step once 31 streams decode (first token p99 12-23 s, the burst's
-# 31-38 s); 128 and unchunked let prefill stall the streams (gap p99 4.7-8.5x and 3.1-5.5x the
-# median; the burst's largest gap 2.5-6.9x and 22-28x); 64 sat between (gap p99 3.6-4.2x,
-# burst 4.2-5.1x, first token p99 8-17 s).
+# Chosen from notebook 09's budget sweep and burst (data/peers/: 32 streams of 64 tokens; a 1,000-token prompt
+# arriving among 31): smaller budgets smooth the gaps but leave few prompt tokens a step once the streams
+# decode, so a prompt arriving among them waits long for its first token; larger ones let its prefill stall them.
 DEFAULT_STEP_TOKENS = 64
+# A step's budget in a surge (more prompts waiting to start than streams decoding): vLLM's default
+# max_num_batched_tokens for chunked prefill, enough for 32 prompts of ~40 tokens in one step.
+DEFAULT_SURGE_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,10 @@ class EngineConfig:
     is spread over several steps instead of stalling every stream for its whole prefill (at
     least one prompt token per step goes in whatever the decode rows take). ``None`` is
     unchunked: each step prefills every prompt it admits whole, before the streams move on.
+    ``surge_tokens``: the budget instead while more prompts could start than streams decode (no
+    prompt taking more than ``step_tokens`` of it), when a longer step stalls fewer streams than
+    it moves prompts along; at least ``step_tokens``, and unused unchunked (None: ``step_tokens``
+    always).
     ``step_delay``: seconds slept at the end of every step that did work, for the lab only (0,
     the default, adds nothing): a slower engine on demand, so a test can show that a verdict
     counted in steps and tokens does not move when the engine's speed does.
@@ -56,6 +60,7 @@ class EngineConfig:
     attention: str = "auto"
     matmul: str = "auto"
     step_tokens: int | None = DEFAULT_STEP_TOKENS  # tokens one step may run, decode rows first (none: unchunked)
+    surge_tokens: int | None = DEFAULT_SURGE_TOKENS  # the budget while starting prompts outnumber decoding streams
     step_delay: float = 0.0
 
     def __post_init__(self) -> None:
@@ -67,6 +72,13 @@ class EngineConfig:
             _positive("num_blocks", self.num_blocks)
         if self.step_tokens is not None:
             _positive("step_tokens", self.step_tokens)
+        if self.surge_tokens is not None:
+            _positive("surge_tokens", self.surge_tokens)
+            if self.step_tokens is not None and self.surge_tokens < self.step_tokens:
+                raise ValueError(
+                    f"EngineConfig.surge_tokens ({self.surge_tokens}) must be at least step_tokens "
+                    f"({self.step_tokens}): a surge widens the step's budget, never narrows it"
+                )
         if self.max_waiting is not None and (not isinstance(self.max_waiting, int) or self.max_waiting < 0):
             raise ValueError(f"EngineConfig.max_waiting must be a non-negative int or None, got {self.max_waiting!r}")
         if self.dtype not in _DTYPES:

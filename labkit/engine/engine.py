@@ -63,7 +63,7 @@ class BatchEngine:
             matmul=config.matmul,
         )
         self.blocks = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_batch, config.step_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_batch, config.step_tokens, config.surge_tokens)
         self.inbox = Inbox()
         self._eos = eos_ids(model)
         self.sampler = Sampler(config.device, native=self.runner.network.native_ops)
@@ -200,9 +200,9 @@ class BatchEngine:
         prefill_tokens = sum(len(w.tokens) for w in prefills)
         self.counters["prefill_tokens"] += prefill_tokens
         seconds = time.perf_counter() - started
-        record = StepRecord(
-            self.current_step, started, seconds, len(work) - len(prefills), len(prefills), prefill_tokens
-        )
+        surge = bool(prefills) and self.scheduler.surging
+        decoded = len(work) - len(prefills)
+        record = StepRecord(self.current_step, started, seconds, decoded, len(prefills), prefill_tokens, surge)
         self.step_log.append(record)
 
     def _accept_all(self, batch: list[Sequence], logits: torch.Tensor, emit: OnEvent) -> None:

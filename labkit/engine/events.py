@@ -59,8 +59,9 @@ Event = TokenEvent | FinishEvent
 class StepRecord:
     """One engine step on the clock: its number, when it began and how long it took (perf_counter
     seconds), how many sequences it decoded, how many prompts it prefilled a chunk of and how
-    many prompt tokens those chunks held. The spread of ``seconds`` over a run says how steady
-    the machine was; effects are counted in steps."""
+    many prompt tokens those chunks held; ``surge``: its prompts had the surge budget (more were
+    waiting to start than streams decoding, see scheduler.py). The spread of ``seconds`` over a
+    run says how steady the machine was; effects are counted in steps."""
 
     step: int
     started: float
@@ -68,3 +69,4 @@ class StepRecord:
     decoded: int
     prefilled: int
     prefill_tokens: int = 0
+    surge: bool = False

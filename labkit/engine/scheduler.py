@@ -11,6 +11,16 @@ order, partly prefilled ones first, then newly admitted ones, a chunk each, so a
 prefilled over several steps. When decode rows alone fill the budget, the oldest prompt still
 gets one token, so prefill never stops. ``step_tokens=None`` is unchunked: every prompt that can
 be admitted is prefilled whole in this step (the engine before chunking).
+
+The budget is there to keep a step short for the streams it stalls. In a surge, when more prompts
+could start than streams decode (many clients arriving at an idle or lightly loaded engine), a
+longer step stalls fewer streams than it moves prompts along, so the step takes up to
+``surge_tokens`` instead (vLLM's ``max_num_batched_tokens`` plays that part there), though no
+prompt more than ``step_tokens`` of it: 32 short prompts arriving together start in one step
+rather than one budget at a time, while a long prompt is chunked by the small budget whoever else
+is there, so it never buys a long step for itself. Only prompts that could be admitted now count
+(a free slot and their reservation, in admission order). ``surge_tokens=None``: the small budget
+always.
 """
 
 from __future__ import annotations
@@ -86,10 +96,14 @@ class Work:
 class Scheduler:
     """FIFO admission by reservation, a batch limit, pause/resume/cancel, one place to release."""
 
-    def __init__(self, blocks: BlockManager, max_batch: int, step_tokens: int | None = None) -> None:
+    def __init__(
+        self, blocks: BlockManager, max_batch: int, step_tokens: int | None = None, surge_tokens: int | None = None
+    ) -> None:
         self.blocks = blocks
         self.max_batch = max_batch
         self.step_tokens = step_tokens
+        self.surge_tokens = surge_tokens
+        self.surging = False  # whether the last schedule() gave prompts the surge budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.live: dict[str, Sequence] = {}
@@ -123,15 +137,39 @@ class Scheduler:
             if seq is None:
                 break
             start, left = seq.num_prefilled, seq.num_prompt - seq.num_prefilled
-            count = left if room is None else min(room, left)
+            count = left if room is None or self.step_tokens is None else min(room, left, self.step_tokens)
             work.append(Work(seq, start, seq.prompt_ids[start : start + count], count == left, True))
             room = None if room is None else room - count
         return work
 
     def _prefill_room(self, decode_rows: int) -> int | None:
-        """Prompt tokens this step may run: the budget less the decode rows, at least one
-        (None: no limit, the unchunked engine)."""
-        return None if self.step_tokens is None else max(1, self.step_tokens - decode_rows)
+        """Prompt tokens this step may run: the budget (the surge budget while more prompts could
+        start than streams decode) less the decode rows, at least one (None: no limit, the
+        unchunked engine)."""
+        self.surging = False
+        if self.step_tokens is None:
+            return None
+        budget = self.step_tokens
+        if self.surge_tokens is not None and self._starting(decode_rows + 1) > decode_rows:
+            self.surging, budget = True, self.surge_tokens
+        return max(1, budget - decode_rows)
+
+    def _starting(self, limit: int) -> int:
+        """Prompts that this step could move along (partly prefilled ones, and waiting ones that
+        admission would take now: a free slot and their whole reservation, in order, paused ones
+        stepped over as :meth:`_admit_next` does), counted up to ``limit``."""
+        count = sum(1 for s in self.running if s.prefilling and not s.paused)
+        slots, blocks = self.max_batch - len(self.running), self.blocks.num_free
+        for seq in self.waiting:
+            if count >= limit:
+                break
+            if seq.paused:
+                continue
+            blocks -= self.blocks.blocks_needed(seq.reservation)
+            if slots <= 0 or blocks < 0:
+                break
+            count, slots = count + 1, slots - 1
+        return count
 
     def advance(self, work: list[Work]) -> None:
         """Record that the step ran: each prefill chunk's tokens are now in the cache."""

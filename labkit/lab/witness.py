@@ -22,7 +22,7 @@ from labkit.lab.client import get_json
 
 __all__ = ["Books", "step_table", "wait_for", "until", "WaitTimeout"]
 
-STEP_COLUMNS = ["step", "started", "seconds", "decoded", "prefilled", "prefill_tokens"]
+STEP_COLUMNS = ["step", "started", "seconds", "decoded", "prefilled", "prefill_tokens", "surge"]
 IDS_PER_REQUEST = 100
 
 
@@ -85,8 +85,8 @@ class Books:
         return int(self._get(f"/lab/steps?since={2**62}")["step"])
 
     def steps(self, since: int = 0) -> pd.DataFrame:
-        """The engine's steps numbered above ``since``: started, seconds, decoded, prefilled (prompts) and
-        prefill_tokens (their chunks' tokens)."""
+        """The engine's steps numbered above ``since``: started, seconds, decoded, prefilled (prompts),
+        prefill_tokens (their chunks' tokens) and surge (whether they had the surge budget)."""
         self.need("lab", what="the engine's step log")
         return step_table(self._get(f"/lab/steps?since={since}")["steps"])
 
