@@ -64,7 +64,7 @@ target
 # %% [markdown]
 # ## The servers
 #
-# labkit at each per-step token budget the sweep below needs (the default first), llama.cpp
+# labkit at its defaults and at each per-step token budget the sweep below needs, llama.cpp
 # (built once by `make peers`) and transformers serve, each started, probed and warmed up once.
 # The in-thread labkit above is not measured over HTTP: its model, in this process, is what the
 # engine-alone reading runs. The table says how soon each server answered, how much memory it
@@ -97,10 +97,11 @@ peers.quirks(lineup)
 # * **every stream whole**: every stream of every server ends with its own end, at the length
 #   asked for. Falsified by any stream that failed or came short.
 # * **every step within its budget**: from each labkit's step log, no step ran more prompt
-#   tokens than its budget left after the decode rows (at least one). Falsified by any step that
-#   did. A count, so it does not depend on the engine's speed.
+#   tokens than its budget left after the decode rows (at least one); a step the log marks as a
+#   surge (more prompts waiting to start than streams decoding) is held to the surge budget.
+#   Falsified by any step that ran more. A count, so it does not depend on the engine's speed.
 #
-# The rest are section 3's.
+# The rest are sections 2 and 3's.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -124,12 +125,21 @@ load.table("levels")
 # Each step decodes every running stream first and gives what is left of its token budget to
 # prompts, in chunks. A small budget keeps every step short (smooth streams) but spreads the
 # prompts of a burst of arrivals over many steps (late first tokens); unchunked, a step prefills
-# every waiting prompt whole (early first tokens, one long gap for everyone already running). At
-# the top level, first-token median against gap p99, labkit at each budget, the peers on the same
-# axes, all from the same rounds.
+# every waiting prompt whole (early first tokens, one long gap for everyone already running). The
+# sweep's labkits run each budget alone, to draw that curve. At the top level, first-token median
+# against gap p99, labkit at each budget, the peers on the same axes, all from the same rounds.
+#
+# labkit's defaults add a second budget for a surge (`EngineConfig.surge_tokens`): while more
+# prompts wait to start than streams decode, a long step stalls fewer streams than it starts, so
+# the step takes up to that many prompt tokens; once the streams outnumber the prompts, the small
+# budget is back. Where N prompts arrive at once, that starts them in a step or two, and the
+# streams running by then are few: labkit's own point can leave the curve.
 #
 # * **a smaller budget, smoother streams**: the smallest budget's gap p99 is below unchunked
 #   labkit's. Falsified if the 95% interval (95%: a coverage level fixed before measuring) of the ratio lies above one; a timing, unchecked.
+# * **a surge starts sooner**: labkit's first-token p99 is below that of labkit at the same
+#   budget without the surge budget. Falsified if the interval of the ratio lies above one; a
+#   timing, unchecked.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -277,7 +287,8 @@ print(peers.checked(slow))
 # How to read it: compare the servers' points on the trade-off figure before their rows of the
 # verdict table. A server that prefills every waiting prompt at once wins the first token of a
 # burst and pays for it in the gaps of everyone already streaming; a per-step budget moves labkit
-# along that curve, and the burst shows the same choice for a single long arrival. The checked
+# along that curve, a surge budget spends the long step only while few streams are there to stall,
+# and the burst shows the same choice for a single long arrival among many. The checked
 # lines hold whatever the timings: every stream whole, every step within its budget, the long
 # prompt chunked at the default budget and whole unchunked, labkit stopping for clients that
 # left. The timings are judged only with their intervals, and only between rounds of one run.

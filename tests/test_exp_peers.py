@@ -25,7 +25,8 @@ def verdicts(spec: Any, rows: list[dict[str, Any]], **sizes: Any) -> dict[str, t
 
 def lineup(*names: str, missing: dict[str, str] | None = None, loaded: Any = None) -> peers.Lineup:
     servers: dict[str, Target] = {n: Target(f"http://127.0.0.1:{9000 + i}", name=n) for i, n in enumerate(names)}
-    budgets = {n: b for n, b in ((peers.LABKIT, 64), (peers.UNCHUNKED, None), ("labkit, budget 16", 16)) if n in names}
+    known = {peers.LABKIT: peers.DEFAULT, peers.UNCHUNKED: (None, None), "labkit, budget 16": (16, None)}
+    budgets = {n: b for n, b in known.items() if n in names}
     return peers.Lineup(servers, missing or {}, budgets, loaded)
 
 
@@ -87,6 +88,12 @@ def test_a_step_over_its_budget_is_counted_and_unchunked_has_none() -> None:
     assert peers.over_budget(steps, 128) == 0 and peers.over_budget(steps, None) == 0
 
 
+def test_a_surge_step_is_held_to_the_surge_budget() -> None:
+    steps = pd.DataFrame({"decoded": [0, 3, 3], "prefill_tokens": [1200, 900, 900], "surge": [True, True, False]})
+    assert peers.over_budget(steps, 64, surge=2048) == 1  # the last was no surge: 61 tokens allowed
+    assert peers.over_budget(steps, 64, surge=1000) == 2 and peers.over_budget(steps, 64, surge=None) == 3
+
+
 # --------------------------------------------------------------------------- load verdicts
 
 
@@ -100,7 +107,7 @@ def load_rows(labkit_tps: float = 300.0, labkit_gap: float = 0.1, over: int = 0,
                 rows.append({"server": name, "level": level, "repetition": rep, "streams": level, "whole": level,
                              "tokens_per_s": tps * jitter * level / 4, "ttft_p50_s": ttft * jitter,
                              "ttft_p99_s": ttft * 1.1 * jitter, "gap_p50_s": 0.06 * jitter, "gap_p99_s": gap * jitter,
-                             **({"budget": "64", "over_budget": over} if name == peers.LABKIT else {})})  # fmt: skip
+                             **({"budget": peers.label(peers.DEFAULT), "over_budget": over} if name == peers.LABKIT else {})})  # fmt: skip
         rows.append({"server": peers.ENGINE, "level": 1, "repetition": rep, "streams": 1, "whole": 1,
                      "tokens_per_s": 70.0 * jitter})  # fmt: skip
     if whole < 4:
@@ -137,7 +144,7 @@ def test_the_load_tables_give_the_tradeoff_at_the_top_level_and_the_readme_cells
     rows = pd.DataFrame(load_rows())
     tables = peers.LOAD.tables({"rows": rows}, s)
     trade = tables["tradeoff"].set_index("server")
-    assert trade.loc[peers.LABKIT, "budget"] == "64" and trade.loc[peers.LLAMA, "budget"] == ""
+    assert trade.loc[peers.LABKIT, "budget"] == "64, surge 2048" and trade.loc[peers.LLAMA, "budget"] == ""
     assert peers.ENGINE not in trade.index
     beside = tables["beside"].set_index("measurement")
     assert beside.loc["tokens/s, 4 streams", peers.LLAMA] == "205.0 (200.0–210.0)"
@@ -192,7 +199,8 @@ def test_the_ci_notebooks_measurements_against_labkit_processes_alone(tmp_path, 
     monkeypatch.setenv("LABKIT_OUT", str(tmp_path))
     group = peers.start("tiny-llama", (16, 64, None), peers=(), num_blocks=128, log_dir=tmp_path)
     try:
-        assert set(group.servers) == {peers.LABKIT, "labkit, budget 16", peers.UNCHUNKED} and not group.missing
+        assert set(group.servers) == {peers.LABKIT, "labkit, budget 16", "labkit, budget 64", peers.UNCHUNKED}
+        assert not group.missing
         load = run(peers.LOAD, group, profile=CI, show=False)
         arrival = run(burst.BURST, group, profile=CI, show=False, servers=(peers.LABKIT, peers.UNCHUNKED))
         stops = peers.each(disconnect.STOP, group, repetitions=1)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from labkit.engine.config import DEFAULT_STEP_TOKENS
+from labkit.engine.config import DEFAULT_STEP_TOKENS, DEFAULT_SURGE_TOKENS
 from labkit.lab import Experiment, LocalLab, NotMeasurable, Process, Sizes, Target, TargetError, Trial, quirks_table
 from labkit.lab.probe import probe
 from labkit.lab.profiles import repo_root
@@ -48,8 +48,31 @@ TRANSFORMERS_CLI = "import sys; from transformers.cli.transformers import main; 
 WARM_STREAMS, WARM_TOKENS = 4, 8
 
 
+DEFAULT = (DEFAULT_STEP_TOKENS, DEFAULT_SURGE_TOKENS)  # labkit's (step budget, surge budget) unless told otherwise
+Budgets = tuple[int | None, int | None]
+
+
 def labkit_name(budget: int | None) -> str:
-    return LABKIT if budget == DEFAULT_STEP_TOKENS else UNCHUNKED if budget is None else f"labkit, budget {budget}"
+    """A point of the sweep: labkit at ``budget`` alone, no surge budget (None: unchunked)."""
+    return UNCHUNKED if budget is None else f"labkit, budget {budget}"
+
+
+def name_of(budgets: Budgets) -> str:
+    step, surge = budgets
+    if budgets == DEFAULT:
+        return LABKIT
+    return labkit_name(step) if surge is None or step is None else f"labkit, budget {step}, surge {surge}"
+
+
+def label(budgets: Budgets) -> str:
+    """What a table's ``budget`` column says of a labkit: ``64, surge 2048``, ``16`` or ``unchunked``."""
+    step, surge = budgets
+    return "unchunked" if step is None else str(step) if surge is None else f"{step}, surge {surge}"
+
+
+def sweep(budgets: tuple[int | None, ...]) -> dict[str, Budgets]:
+    """labkit at its defaults, then each budget of the sweep alone (no surge budget), by name."""
+    return {LABKIT: DEFAULT} | {labkit_name(b): (b, None) for b in budgets}
 
 
 # --------------------------------------------------------------------------- the servers
@@ -57,12 +80,12 @@ def labkit_name(budget: int | None) -> str:
 
 class Lineup(Target):
     """Servers the lab started once and keeps up, by name (``missing``: each one that could not
-    start, and why); ``budgets``: each labkit's per-step token budget; ``loaded``: the model in
+    start, and why); ``budgets``: each labkit's (step, surge) budgets; ``loaded``: the model in
     this process, for the engine-alone reading. As a target, it is its labkit's URL."""
 
     lab_owned = True
 
-    def __init__(self, servers: dict[str, Target], missing: dict[str, str], budgets: dict[str, int | None],
+    def __init__(self, servers: dict[str, Target], missing: dict[str, str], budgets: dict[str, Budgets],
                  loaded: Any = None, up_s: dict[str, float] | None = None) -> None:  # fmt: skip
         first = next(iter(servers.values()))
         super().__init__(first.url, api=first.api, model=first.model, name=" + ".join(servers))
@@ -94,8 +117,9 @@ def as_lineup(target: Target) -> Lineup:
     if isinstance(target, Lineup):
         return target
     if isinstance(target, LocalLab):
-        budget = target.settings.get("step_tokens", DEFAULT_STEP_TOKENS)
-        return Lineup({labkit_name(budget): target}, {}, {labkit_name(budget): budget}, target.loaded)
+        budgets = (target.settings.get("step_tokens", DEFAULT_STEP_TOKENS),
+                   target.settings.get("surge_tokens", DEFAULT_SURGE_TOKENS))  # fmt: skip
+        return Lineup({name_of(budgets): target}, {}, {name_of(budgets): budgets}, target.loaded)
     return Lineup({target.name: target}, {}, {})
 
 
@@ -129,18 +153,21 @@ def quirks(target: Target) -> pd.DataFrame:
 
 
 def start(
-    model: str, budgets: tuple[int | None, ...] = (DEFAULT_STEP_TOKENS, None), *, peers: tuple[str, ...] = PEERS,
+    model: str, budgets: tuple[int | None, ...] = (None,), *, peers: tuple[str, ...] = PEERS,
     engine: Target | None = None, num_blocks: int = 384, threads: int = 2, log_dir: Path | None = None,
 ) -> Lineup:  # fmt: skip
-    """labkit at each budget (the default first) and the peers, each started, probed and warmed up
-    once; a peer that cannot start is kept as a reason. ``num_blocks`` of 16 tokens: every cache.
+    """labkit at its defaults, labkit at each budget of the sweep (no surge budget), and the peers,
+    each started, probed and warmed up once; a peer that cannot start is kept as a reason.
+    ``num_blocks`` of 16 tokens: every cache.
     The servers' output goes to ``log_dir`` (default ``build/peers/`` in the checkout)."""
     log_dir = log_dir or repo_root() / "build" / "peers"
     env = {"OMP_NUM_THREADS": str(threads)}
+    labkits = sweep(budgets)
     make: dict[str, Callable[[], Process]] = {
-        labkit_name(b): partial(Process.labkit, model, api="openai", env=env, num_blocks=num_blocks, max_batch=32,
-                                step_tokens="none" if b is None else b, log_level="warning")
-        for b in dict.fromkeys((DEFAULT_STEP_TOKENS, *budgets))}  # fmt: skip
+        name: partial(Process.labkit, model, api="openai", env=env, num_blocks=num_blocks, max_batch=32,
+                      step_tokens="none" if step is None else step, surge_tokens="none" if surge is None else surge,
+                      log_level="warning")
+        for name, (step, surge) in labkits.items()}  # fmt: skip
     make |= {p: partial(PEER_STARTS[p], model, num_blocks, env, log_dir) for p in peers}
     servers: dict[str, Target] = {}
     missing: dict[str, str] = {}
@@ -164,9 +191,8 @@ def start(
         for server in servers.values():
             server.close()
         raise
-    budget_of = {labkit_name(b): b for b in (DEFAULT_STEP_TOKENS, *budgets)}
     loaded = getattr(engine, "loaded", None) if engine is not None and engine.caps.engine else None
-    return Lineup(servers, missing, {n: b for n, b in budget_of.items() if n in servers}, loaded, up_s)
+    return Lineup(servers, missing, {n: b for n, b in labkits.items() if n in servers}, loaded, up_s)
 
 
 def _log(log_dir: Path, name: str) -> Path:
@@ -236,7 +262,7 @@ SAID = dict(zip(METRICS, ("tokens/s", "first token median", "first token p99", "
 
 
 def load_conditions(s: Sizes, target: Target) -> list[dict[str, Any]]:
-    """labkit (default budget) and each peer at every level; labkit at the sweep's other budgets
+    """labkit (its defaults) and each peer at every level; labkit at each budget of the sweep
     at the top level only (a lineup's servers, or a labkit in this process started with each); the
     engine alone at one stream, where its model is in this process."""
     lineup, top = as_lineup(target), max(s.levels)
@@ -247,9 +273,12 @@ def load_conditions(s: Sizes, target: Target) -> list[dict[str, Any]]:
 
 
 def budget_settings(s: Sizes, c: dict[str, Any]) -> dict[str, Any]:
-    """A labkit the lab starts with settings (in this process): the condition's budget."""
-    known = {labkit_name(b): b for b in (DEFAULT_STEP_TOKENS, None, *(s["budgets"] if "budgets" in s else ()))}
-    return {"step_tokens": known[c["server"]]} if c["server"] in known else {}
+    """A labkit the lab starts with settings (in this process): the condition's budgets."""
+    known = sweep((None, *(s["budgets"] if "budgets" in s else ())))
+    if c["server"] not in known:
+        return {}
+    step, surge = known[c["server"]]
+    return {"step_tokens": step, "surge_tokens": surge}
 
 
 def prepare_load(target: Target, s: Sizes) -> dict[str, Any]:
@@ -285,19 +314,22 @@ def measure_load(trial: Trial) -> dict[str, Any]:
     done = server.launch([server.request(p, s.tokens) for p in cycle(trial.level)])
     row = {**done.row(), "streams": trial.level, "whole": sum(x.ok and x.tokens == s.tokens for x in done.streams)}
     if trial.server in lineup.budgets:
-        budget = lineup.budgets[trial.server]
-        row["budget"] = "unchunked" if budget is None else str(budget)
+        budgets = lineup.budgets[trial.server]
+        row["budget"] = label(budgets)
         if since is not None:
             steps = server.steps(since)
-            row.update(steps=len(steps), over_budget=over_budget(steps, budget))
+            row.update(steps=len(steps), over_budget=over_budget(steps, *budgets))
     return row
 
 
-def over_budget(steps: pd.DataFrame, budget: int | None) -> int:
-    """Steps whose prompt tokens passed what the budget left after the decode rows (at least one)."""
+def over_budget(steps: pd.DataFrame, budget: int | None, surge: int | None = None) -> int:
+    """Steps whose prompt tokens passed what the budget (``surge`` in a step the engine logged as
+    a surge) left after the decode rows (at least one)."""
     if budget is None:
         return 0
-    return int((steps.prefill_tokens > np.maximum(1, budget - steps.decoded)).sum())
+    surging = steps["surge"].eq(True) if "surge" in steps else False
+    allowed = np.where(surging & (surge is not None), surge or 0, budget)
+    return int((steps.prefill_tokens > np.maximum(1, allowed - steps.decoded)).sum())
 
 
 def load_tables(t: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
@@ -351,7 +383,7 @@ def load_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
               "any stream failed or came short", bool((rows.whole == rows.streams).all()),
               ", ".join(f"{n}: {w}" for n, w in short.items()), checked=True),
         judge("every step within its budget", "every labkit step ran its decode rows and at most the rest of its "
-              "token budget in prompt tokens (at least one)", "any step of any budget ran more",
+              "token budget (its surge budget in a surge) in prompt tokens (at least one)", "any step of any budget ran more",
               None if "over_budget" not in rows else not rows.over_budget.fillna(0).any(),
               f"{int(rows.get('over_budget', pd.Series(dtype=float)).fillna(0).sum())} steps over",
               checked=True),
@@ -375,6 +407,11 @@ def load_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
         out.append(judge("a smaller budget, smoother streams", f"{low} has a lower gap p99 at {top} streams than "
                          "unchunked labkit", "the 95% interval of the ratio lies above 1",
                          *ratio(rows, low, UNCHUNKED, "gap_p99_s", top, 1.0, "below")))  # fmt: skip
+    plain = labkit_name(DEFAULT_STEP_TOKENS)
+    if plain in set(rows.server):
+        out.append(judge("a surge starts sooner", f"labkit's first-token p99 at {top} streams is below {plain}'s (the "
+                         "same budget without the surge budget)", "the 95% interval of the ratio lies above 1",
+                         *ratio(rows, LABKIT, plain, "ttft_p99_s", top, 1.0, "below")))  # fmt: skip
     return out
 
 
@@ -403,14 +440,15 @@ def load_plots(t: dict[str, pd.DataFrame], s: Sizes) -> list:
         ax.minorticks_off()
         ax.legend(fontsize="small")
     fig2, (ax,) = new_figure("peers_tradeoff")
-    labkits = trade[trade.budget != ""].copy()
+    labkits = trade[trade.budget.str.fullmatch(r"\d+|unchunked")].copy()  # the sweep: each budget alone
     labkits["order"] = labkits.budget.map(lambda b: np.inf if b == "unchunked" else float(b))
     labkits = labkits.sort_values("order")
-    with_range(ax, 1e3 * labkits.ttft_p50_s_median, labkits, "gap_p99_s", 1e3, fmt="o-", label="labkit, by budget")
+    sweep_label = "labkit, by budget (no surge budget)"
+    with_range(ax, 1e3 * labkits.ttft_p50_s_median, labkits, "gap_p99_s", 1e3, fmt="o-", label=sweep_label)
     for r in labkits.itertuples():
         ax.annotate(r.budget, (1e3 * r.ttft_p50_s_median, 1e3 * r.gap_p99_s_median), fontsize="small",
                     xytext=(4, 4), textcoords="offset points")  # fmt: skip
-    for marker, name in zip("s^Dv", trade[trade.budget == ""].server):
+    for marker, name in zip("*s^Dvx", trade[~trade.server.isin(labkits.server)].server):
         g = trade[trade.server == name]
         with_range(ax, 1e3 * g.ttft_p50_s_median, g, "gap_p99_s", 1e3, fmt=marker, label=name)
     ax.set(xlabel=f"first token, median over {max(s.levels)} streams (ms)", ylabel="gap between tokens, p99 (ms)",
