@@ -61,7 +61,7 @@ target
 #   makes at least half as many tokens as there are streams. Falsified below that (a step log is
 #   needed; it counts steps, so it does not depend on the engine's speed).
 # * **overlap**: the largest level reaches at least twice the aggregate tokens/s of one stream.
-#   Falsified if the 95% interval (95%: a coverage level fixed before measuring) of the paired ratio (same repetition) lies below 2; "unclear"
+#   Falsified if the interval (at the coverage fixed before measuring, which each verdict prints) of the paired ratio (same repetition) lies below 2; "unclear"
 #   when the interval straddles it.
 # * **per-stream gap**: a stream's median gap grows much less than the number of streams.
 #   Falsified if the median gap ratio is at least a quarter of the number of streams.
@@ -119,8 +119,9 @@ levels.plot();
 # (what every step pays) and the marginal cost of one more sequence between the smallest and the
 # largest batch, with the rounds' range: measured quantities, not a fitted line.
 #
-# * **invariant costs no more**: the invariant step costs at most 1.15× the plain one at every
-#   batch (1.15: a bar fixed before measuring). Falsified by a median ratio above that at any batch.
+# * **invariant costs no more**: the invariant step costs at most a bar fixed before measuring
+#   times the plain one at every batch (the verdict table states the bar). Falsified by a median
+#   ratio above it at any batch.
 # * **a step for many is cheap**: a step of the largest batch costs less than half as many times
 #   a step of one as it has sequences (invariant mode). Falsified at or above that. Both are
 #   timings, so neither is checked by CI: the table is the evidence.
@@ -189,7 +190,7 @@ joiners.plot();
 # the early ones may arrive sooner. The hub does both (`first_token="prefill"` or `"step_end"`);
 # the two servers take turns, repetition after repetition. The chapter's exercise asks which part
 # of the distribution improves; the table answers it per quantile: step-end over prefill, paired
-# by repetition, with its 95% interval (95%: a coverage level fixed before measuring).
+# by repetition, with its interval (at the coverage fixed before measuring, which each verdict prints).
 #
 # * **prefill delivery: earlier at the median**: falsified if the interval at the median lies
 #   below 1.

@@ -71,7 +71,7 @@ target
 #   with all its tokens. Falsified by any that fails or comes short.
 # * **naive delays the healthy**: under `naive` the step loop waits for the slow readers, so the
 #   healthy streams finish much later than in the same repetition's run with nobody slow.
-#   Falsified if the 95% interval (95%: a coverage level fixed before measuring) of that ratio (pooled over k) lies below one and a half;
+#   Falsified if the interval (at the coverage fixed before measuring, which each verdict prints) of that ratio (pooled over k) lies below one and a half;
 #   "unclear" while it straddles it.
 # * **queues isolate the healthy**: under the other policies the healthy streams finish about as
 #   soon as with nobody slow. Falsified if for any of them the interval lies above one and a

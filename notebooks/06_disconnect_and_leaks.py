@@ -109,7 +109,7 @@ moments.plot();
 # FIN client and an RST client leaving at the same point of a step: right after the head, or
 # right after the same token event (which arrives right after a step ended). The waves run a few
 # pairs at once, up to the batch limit. The effect is the paired difference, FIN minus RST, in
-# the time from the client's close to the hub's close: its median with a 95% interval (95%: a coverage level fixed before measuring) (order
+# the time from the client's close to the hub's close: its median with a interval (at the coverage fixed before measuring, which each verdict prints) (order
 # statistics), and Wilcoxon's signed-rank test beside it.
 #
 # * **FIN and RST alike** (per moment): the two ways differ by less than an equivalence margin
@@ -191,7 +191,7 @@ print(stop.checked())
 # * **listening saves work**: the listening class makes fewer tokens per token its leaving clients
 #   read than the write-only one, in every run. Falsified by any run where it does not.
 # * **not listening costs time**: the write-only class takes longer for the same plan (until the
-#   engine let go of the last stream). Falsified if the 95% interval (95%: a coverage level fixed before measuring) of the ratio of the classes'
+#   engine let go of the last stream). Falsified if the interval (at the coverage fixed before measuring, which each verdict prints) of the ratio of the classes'
 #   times lies below one; "unclear" while it straddles it.
 
 # %%

@@ -76,7 +76,7 @@ target
 # * **pause_then_drop gives them back**: at every stall timeout, every stalled stream is paused,
 #   then dropped while the others still run. Falsified by one held until its client left.
 # * **dropping frees slot-seconds** (one per stall timeout): fewer slot-seconds held by stalled
-#   streams while requests wait than under `pause`. Falsified if the 95% interval (95%: a coverage level fixed before measuring) of the ratio
+#   streams while requests wait than under `pause`. Falsified if the interval (at the coverage fixed before measuring, which each verdict prints) of the ratio
 #   lies above one; unclear if it straddles one.
 
 # %%
@@ -203,7 +203,7 @@ print(sampling.checked())
 # notebook 02's logits measurement runs with it.
 #
 # * **kernel step cheaper at context C** (one per context, at the largest batch): the step costs
-#   less with the kernel. Falsified if the 95% interval (95%: a coverage level fixed before measuring) of kernel over gather, paired by
+#   less with the kernel. Falsified if the interval (at the coverage fixed before measuring, which each verdict prints) of kernel over gather, paired by
 #   repetition, lies above one; unclear if it straddles one (the evidence says how many
 #   repetitions might decide it).
 # * **kernel attention cheaper at context C**: the same for attention alone.

@@ -136,7 +136,7 @@ load.table("levels")
 # streams running by then are few: labkit's own point can leave the curve.
 #
 # * **a smaller budget, smoother streams**: the smallest budget's gap p99 is below unchunked
-#   labkit's. Falsified if the 95% interval (95%: a coverage level fixed before measuring) of the ratio lies above one; a timing, unchecked.
+#   labkit's. Falsified if the interval (at the coverage fixed before measuring, which each verdict prints) of the ratio lies above one; a timing, unchecked.
 # * **a surge starts sooner**: labkit's first-token p99 is below that of labkit at the same
 #   budget without the surge budget. Falsified if the interval of the ratio lies above one; a
 #   timing, unchecked.
@@ -152,7 +152,7 @@ load.plot();
 # %% [markdown]
 # ## 3. At the default budget: issue 22's targets as verdicts
 #
-# Each a ratio paired round by round, with a 95% interval (95%: a coverage level fixed before measuring); "holds" only when the
+# Each a ratio paired round by round, with a interval (at the coverage fixed before measuring, which each verdict prints); "holds" only when the
 # interval lies wholly on the right side of the bar, "unclear" when it straddles it (the evidence
 # says how many rounds would decide). Timings, so none is checked by CI.
 #
@@ -203,7 +203,7 @@ print(load.checked())
 # * **unchunked: in one step** (checked): unchunked labkit prefills it in one step. Falsified by
 #   any round in more or fewer.
 # * **smooth at the default budget**: the running streams' largest gap from the arrival on is at
-#   most three times their median gap before it. Falsified if the 95% interval (95%: a coverage level fixed before measuring) of the ratio lies
+#   most three times their median gap before it. Falsified if the interval (at the coverage fixed before measuring, which each verdict prints) of the ratio lies
 #   above three; a timing, unchecked.
 
 # %%
@@ -267,7 +267,7 @@ print(peers.checked(stops))
 # One slow reader among healthy streams, paced at a share of the server's own measured write
 # rate, against the same server's rounds with none (notebook 05's measurement at its own policy).
 # The effect is the healthy streams' completion over the same round's without a slow reader,
-# judged by its 95% interval (95%: a coverage level fixed before measuring): an effect whose interval straddles one is "unclear", however large
+# judged by its interval (at the coverage fixed before measuring, which each verdict prints): an effect whose interval straddles one is "unclear", however large
 # its median looks, because the runs without a slow reader spread as widely.
 
 # %%

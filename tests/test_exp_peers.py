@@ -66,6 +66,7 @@ def test_any_other_target_is_a_lineup_of_one_with_no_engine_reading() -> None:
 
 def test_a_peer_that_cannot_run_here_says_why_and_how_to_get_it(monkeypatch, tmp_path) -> None:
     import labkit.peers
+    from labkit.experiments import lineup
 
     env = {"OMP_NUM_THREADS": "2"}
     monkeypatch.setattr(labkit.peers, "llama_server", lambda: labkit.peers.PeerMissing("llama-server is not built; "
@@ -75,7 +76,7 @@ def test_a_peer_that_cannot_run_here_says_why_and_how_to_get_it(monkeypatch, tmp
     monkeypatch.setattr(labkit.peers, "llama_server", lambda: labkit.peers.LlamaServer(tmp_path, tmp_path))
     with pytest.raises(NotMeasurable, match="this run serves tiny-llama"):
         peers.PEER_STARTS[peers.LLAMA]("tiny-llama", 384, env, tmp_path)
-    monkeypatch.setattr(peers, "find_spec", lambda name: None if name == "rich" else object())
+    monkeypatch.setattr(lineup, "find_spec", lambda name: None if name == "rich" else object())
     with pytest.raises(NotMeasurable, match=r"missing rich.*pip install"):
         peers.PEER_STARTS[peers.TRANSFORMERS]("tiny-llama", 384, env, tmp_path)
     with pytest.raises(NotMeasurable, match="not tiny-gpt2"):

@@ -7,7 +7,7 @@
 overlaps the span from its send to its first token) and *after*. Where the server has labkit's lab
 routes, its step log says the same from its side: the steps that prefilled the long prompt
 (between its submission and its first token sampled) and how long they took against the steps
-before. Each server of a :class:`~labkit.experiments.peers.Lineup` (labkit at its default budget
+before. Each server of a :class:`~labkit.experiments.lineup.Lineup` (labkit at its default budget
 and unchunked, llama.cpp, transformers serve) takes its turn, round by round.
 """
 
@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from labkit.experiments.peers import LABKIT, LLAMA, TRANSFORMERS, UNCHUNKED, Lineup, as_lineup, budget_settings
+from labkit.experiments.lineup import LABKIT, LLAMA, TRANSFORMERS, UNCHUNKED, Lineup, as_lineup
+from labkit.experiments.peers import budget_settings
 from labkit.lab import Experiment, ReadOptions, Sizes, Stream, Target, Trial, interval, judge, span, spread, tell
 from labkit.lab.client import async_client, percentile, run_sync
 from labkit.lab.witness import WaitTimeout, until
