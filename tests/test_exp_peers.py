@@ -44,8 +44,9 @@ def test_both_measurements_are_registered_and_sized_alike_for_both_profiles() ->
 def test_the_lineup_runs_every_level_on_labkit_and_the_peers_and_the_other_budgets_at_the_top_only() -> None:
     group = lineup(peers.LABKIT, peers.TRANSFORMERS, "labkit, budget 16", missing={peers.LLAMA: "not built"}, loaded=1)
     got = peers.load_conditions(peers.LOAD.sizes_for("ci"), group)
-    assert [c for c in got if c["level"] == 1] == [{"server": n, "level": 1} for n in
-                                                   (peers.LABKIT, peers.LLAMA, peers.TRANSFORMERS, peers.ENGINE)]  # fmt: skip
+    # the engine alone right after labkit's one stream: the ratio's two sides are measured side by side
+    assert got[:4] == [{"server": n, "level": 1} for n in
+                       (peers.LABKIT, peers.ENGINE, peers.LLAMA, peers.TRANSFORMERS)]  # fmt: skip
     assert {"server": "labkit, budget 16", "level": 4} in got and {"server": peers.UNCHUNKED, "level": 4} in got
     assert not any(c["server"].startswith("labkit,") and c["level"] == 1 for c in got)
     with pytest.raises(NotMeasurable, match="not built"):
@@ -93,6 +94,17 @@ def test_a_surge_step_is_held_to_the_surge_budget() -> None:
     steps = pd.DataFrame({"decoded": [0, 3, 3], "prefill_tokens": [1200, 900, 900], "surge": [True, True, False]})
     assert peers.over_budget(steps, 64, surge=2048) == 1  # the last was no surge: 61 tokens allowed
     assert peers.over_budget(steps, 64, surge=1000) == 2 and peers.over_budget(steps, 64, surge=None) == 3
+
+
+def test_one_stream_keeps_the_run_of_median_pace_and_counts_every_runs_streams() -> None:
+    runs = [{"tokens_per_s": 40.0, "streams": 1, "whole": 1, "makespan_s": 1.6},
+            {"tokens_per_s": 31.0, "streams": 1, "whole": 0, "makespan_s": 2.1},  # a hiccup, and it came short
+            {"tokens_per_s": 38.0, "streams": 1, "whole": 1, "makespan_s": 1.7}]  # fmt: skip
+    got = peers._median(runs)
+    assert got["tokens_per_s"] == 38.0 and got["makespan_s"] == 1.7  # one run's readings, never a blend
+    assert (got["streams"], got["whole"]) == (3, 2)  # the short stream still fails "every stream whole"
+    assert peers._median(runs[:2])["tokens_per_s"] == 31.0 and peers._median(runs[:1]) == runs[0]
+    assert peers.LOAD.sizes_for("full").solo >= 3 and peers.LOAD.sizes_for("ci").solo == 1
 
 
 # --------------------------------------------------------------------------- load verdicts

@@ -8,7 +8,8 @@ overlaps the span from its send to its first token) and *after*. Where the serve
 routes, its step log says the same from its side: the steps that prefilled the long prompt
 (between its submission and its first token sampled) and how long they took against the steps
 before. Each server of a :class:`~labkit.experiments.lineup.Lineup` (labkit at its default budget
-and unchunked, llama.cpp, transformers serve) takes its turn, round by round.
+and unchunked, llama.cpp, transformers serve) takes its turn, round by round, after one burst of
+its own as a warm-up that is not kept.
 """
 
 from __future__ import annotations
@@ -76,7 +77,12 @@ async def _burst(server: Target, s: Sizes) -> tuple[list[Stream], Stream | None,
 
 
 def measure(trial: Trial) -> dict[str, Any]:
+    """One burst; in the first round a server first runs one burst it does not keep: the lineup's
+    warm-up never sent a long prompt, and a server's first one is slower (buffers that size are
+    new), so round one's largest gap would measure that, not the budget."""
     s, server = trial.sizes, as_lineup(trial.target).server(trial.server)
+    if trial.repetition == 0:
+        run_sync(_burst(server, s))
     since = server.current_step() if server.caps.lab else None
     running, long, arrived = run_sync(_burst(server, s))
     whole = sum(r.ok and r.tokens == s.tokens for r in running) + int(bool(long and long.ok))

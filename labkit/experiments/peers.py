@@ -61,12 +61,17 @@ SAID = dict(zip(METRICS, ("tokens/s", "first token median", "first token p99", "
 def load_conditions(s: Sizes, target: Target) -> list[dict[str, Any]]:
     """labkit (its defaults) and each peer at every level; labkit at each budget of the sweep
     at the top level only (a lineup's servers, or a labkit in this process started with each); the
-    engine alone at one stream, where its model is in this process."""
+    engine alone at one stream, where its model is in this process, right after labkit's one
+    stream (the two a ratio compares are measured next to each other, in either order)."""
     lineup, top = as_lineup(target), max(s.levels)
     main = [n for n in (LABKIT, *PEERS) if n in lineup.servers or n in lineup.missing] or list(lineup.servers)
-    out = [{"server": n, "level": level} for level in s.levels for n in main]
-    out += [{"server": labkit_name(b), "level": top} for b in s.budgets if labkit_name(b) not in main]
-    return out + ([{"server": ENGINE, "level": 1}] if lineup.loaded is not None and 1 in s.levels else [])
+    out = []
+    for level in s.levels:
+        for n in main:
+            out.append({"server": n, "level": level})
+            if level == 1 and n == main[0] and lineup.loaded is not None:
+                out.append({"server": ENGINE, "level": 1})
+    return out + [{"server": labkit_name(b), "level": top} for b in s.budgets if labkit_name(b) not in main]
 
 
 def budget_settings(s: Sizes, c: dict[str, Any]) -> dict[str, Any]:
@@ -103,13 +108,18 @@ def engine_alone(engine: Any, tokens: int) -> dict[str, Any]:
 
 
 def measure_load(trial: Trial) -> dict[str, Any]:
+    """One launch of ``level`` streams; at one stream ``solo`` launches in a row, the one of median
+    tokens/s kept (a stream of one is over in a second or two, where a passing hiccup of the
+    machine moves one reading by a tenth: the ratio to the engine alone needs the steadier one)."""
     s, lineup = trial.sizes, as_lineup(trial.target)
+    runs = s.solo if trial.level == 1 else 1
     if trial.server == ENGINE:
-        return engine_alone(trial.state["engine"], s.tokens)
+        return _median([engine_alone(trial.state["engine"], s.tokens) for _ in range(runs)])
     server = lineup.server(trial.server)
     since = server.current_step() if server.caps.lab else None
-    done = server.launch([server.request(p, s.tokens) for p in cycle(trial.level)])
-    row = {**done.row(), "streams": trial.level, "whole": sum(x.ok and x.tokens == s.tokens for x in done.streams)}
+    launches = [server.launch([server.request(p, s.tokens) for p in cycle(trial.level)]) for _ in range(runs)]
+    row = _median([{**d.row(), "streams": trial.level, "whole": sum(x.ok and x.tokens == s.tokens for x in d.streams)}
+                   for d in launches])  # fmt: skip
     if trial.server in lineup.budgets:
         budgets = lineup.budgets[trial.server]
         row["budget"] = label(budgets)
@@ -117,6 +127,13 @@ def measure_load(trial: Trial) -> dict[str, Any]:
             steps = server.steps(since)
             row.update(steps=len(steps), over_budget=over_budget(steps, *budgets))
     return row
+
+
+def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The launch of median tokens/s (the lower middle of an even count), counting every launch's
+    streams in ``streams`` and ``whole``."""
+    middle = sorted(rows, key=lambda r: r["tokens_per_s"])[(len(rows) - 1) // 2]
+    return {**middle, "streams": sum(r["streams"] for r in rows), "whole": sum(r["whole"] for r in rows)}
 
 
 def over_budget(steps: pd.DataFrame, budget: int | None, surge: int | None = None) -> int:
@@ -258,8 +275,8 @@ LOAD = Experiment(
     name="peers.load",
     title="Streams at once on labkit, llama.cpp and transformers serve; labkit's budgets; the engine alone",
     sizes={
-        "full": {"levels": (1, 8, 32), "tokens": 64, "budgets": (16, 64, 256, None), "repetitions": 6},
-        "ci": {"levels": (1, 4), "tokens": 16, "budgets": (16, 64, None), "repetitions": 3},
+        "full": {"levels": (1, 8, 32), "tokens": 64, "budgets": (16, 64, 256, None), "solo": 3, "repetitions": 6},
+        "ci": {"levels": (1, 4), "tokens": 16, "budgets": (16, 64, None), "solo": 1, "repetitions": 3},
     },
     conditions=load_conditions,
     server=budget_settings,
