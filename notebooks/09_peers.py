@@ -91,11 +91,11 @@ peers.quirks(lineup)
 # The first N prompts at once, each on its own connection, every stream the same length, on
 # labkit at its default budget and on each peer at every level; at the top level also labkit at
 # each other budget of the sweep (section 2); and one stream through the engine alone in this
-# process, no HTTP at all (section 3), measured right after labkit's one stream. A stream of one
-# is over in a second or two, so at one stream each server (and the engine) runs it a few times
-# in a row and keeps the run of median tokens/s (the scale table says how many). One run, so
-# every comparison below is between rounds of the same run. Hypotheses, fixed before measuring;
-# the first two are checked by CI:
+# process, no HTTP at all (section 3), taking turns with labkit's one stream run by run. A
+# stream of one is over in a second or two, so at one stream each server (and the engine) runs
+# it a few times and keeps the run of median tokens/s (the scale table says how many). One run,
+# so every comparison below is between rounds of the same run. Hypotheses, fixed before
+# measuring; the first two are checked by CI:
 #
 # * **every stream whole**: every stream of every server ends with its own end, at the length
 #   asked for. Falsified by any stream that failed or came short.

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from labkit.experiments import burst, disconnect, peers, specs
-from labkit.lab import NotMeasurable, Stream, Target, run
+from labkit.lab import LocalLab, NotMeasurable, Stream, Target, run
 from labkit.lab.profiles import Profile
 
 CI = Profile("ci")
@@ -44,9 +44,9 @@ def test_both_measurements_are_registered_and_sized_alike_for_both_profiles() ->
 def test_the_lineup_runs_every_level_on_labkit_and_the_peers_and_the_other_budgets_at_the_top_only() -> None:
     group = lineup(peers.LABKIT, peers.TRANSFORMERS, "labkit, budget 16", missing={peers.LLAMA: "not built"}, loaded=1)
     got = peers.load_conditions(peers.LOAD.sizes_for("ci"), group)
-    # the engine alone right after labkit's one stream: the ratio's two sides are measured side by side
-    assert got[:4] == [{"server": n, "level": 1} for n in
-                       (peers.LABKIT, peers.ENGINE, peers.LLAMA, peers.TRANSFORMERS)]  # fmt: skip
+    # the engine alone is no condition: labkit's one stream takes turns with it, run by run
+    assert got[:3] == [{"server": n, "level": 1} for n in (peers.LABKIT, peers.LLAMA, peers.TRANSFORMERS)]
+    assert not any(c["server"] == peers.ENGINE for c in got)
     assert {"server": "labkit, budget 16", "level": 4} in got and {"server": peers.UNCHUNKED, "level": 4} in got
     assert not any(c["server"].startswith("labkit,") and c["level"] == 1 for c in got)
     with pytest.raises(NotMeasurable, match="not built"):
@@ -206,11 +206,13 @@ def test_the_long_prompt_is_the_same_text_of_about_its_tokens() -> None:
 
 
 @pytest.mark.slow
-def test_the_ci_notebooks_measurements_against_labkit_processes_alone(tmp_path, monkeypatch) -> None:
+def test_the_ci_notebooks_measurements_against_labkit_processes_alone(tmp_path, monkeypatch, tiny_llama) -> None:
     """labkit at three budgets in processes of their own, no peer: every checked line of the load,
-    the burst and the stop probe holds, and the missing peers were never asked for."""
+    the burst and the stop probe holds, and the missing peers were never asked for. The engine
+    alone (this process's model) takes turns with labkit's one stream, each round."""
     monkeypatch.setenv("LABKIT_OUT", str(tmp_path))
-    group = peers.start("tiny-llama", (16, 64, None), peers=(), num_blocks=128, log_dir=tmp_path)
+    with LocalLab(tiny_llama) as here:
+        group = peers.start("tiny-llama", (16, 64, None), peers=(), engine=here, num_blocks=128, log_dir=tmp_path)
     try:
         assert set(group.servers) == {peers.LABKIT, "labkit, budget 16", "labkit, budget 64", peers.UNCHUNKED}
         assert not group.missing
@@ -223,4 +225,7 @@ def test_the_ci_notebooks_measurements_against_labkit_processes_alone(tmp_path, 
     for result in (load, arrival, stops[peers.LABKIT]):
         assert "falsified" not in result.checked() and "unclear" not in result.checked(), result.checked()
     assert (tmp_path / "data" / "peers" / "load" / "beside.csv").exists()  # the lab's own run, not target-peers
+    rows = load.table()
+    alone = rows[rows.server == peers.ENGINE]
+    assert list(alone.level) == [1] * 3 and (alone.whole == 1).all() and (alone.tokens_per_s > 0).all()
     assert set(peers.side_by_side(stops).index.get_level_values("server")) == {peers.LABKIT}

@@ -2,9 +2,11 @@
 witness is said, and one that cannot be measured is refused in one line with exit status 2."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
+import httpx
 import pytest
 from target_helpers import REPO, STUB_MODEL, broken_api, free_port, quirky_stub, uvicorn_in_thread, web_site
 
@@ -99,6 +101,9 @@ def test_labkit_in_its_own_process_is_probed_restarted_and_stopped():
         assert target.read(target.request("hello", 4)).token_ids == first.token_ids
         probed = connect(target.url)
         assert probed.caps.stats and probed.caps.lab and probed.caps.metrics and probed.quirks.sends_done
+        # labkit serve froze its startup heap (the model, torch's modules): no full collection walks it
+        frozen = re.search(r"^python_gc_frozen_objects (\S+)$", httpx.get(target.url + "/metrics").text, re.M)
+        assert frozen and float(frozen.group(1)) > 50_000
     finally:
         assert target.stop() == 0
 

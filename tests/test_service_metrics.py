@@ -34,6 +34,33 @@ def test_metrics_count_streams_tokens_and_finishes(tiny_gpt2: Any) -> None:
     assert metrics[("labkit_open_streams", ())] == 0
     assert metrics[("labkit_kv_blocks_in_use", ())] == 0 and metrics[("labkit_queue_depth", ())] == 0
     assert metrics[("labkit_late_events_total", ())] >= 1
+    assert ("python_gc_collections_total", (("generation", "2"),)) in metrics  # a full collection stalls every stream
+    assert ("python_gc_frozen_objects", ()) in metrics
+
+
+def test_freezing_the_heap_collects_its_garbage_first_and_keeps_collecting_what_comes_after() -> None:
+    """In a process of its own: a freeze is for the whole interpreter, and this one is the tests'."""
+    import subprocess
+    import sys
+
+    script = """if True:
+        import gc, weakref
+        from labkit.server import freeze_heap
+        class Node: pass
+        def cycle():
+            a, b = Node(), Node()
+            a.other, b.other = b, a
+            return weakref.ref(a)
+        before = cycle()  # garbage already: the freeze must not keep it forever
+        frozen = freeze_heap()
+        assert before() is None and frozen == gc.get_freeze_count() > 10_000, frozen
+        after = cycle()
+        gc.collect()
+        assert after() is None  # made after the freeze: collected as ever
+        print("ok")
+    """
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_two_servers_in_one_process_keep_separate_metrics(tiny_gpt2: Any) -> None:

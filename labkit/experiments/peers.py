@@ -60,17 +60,11 @@ SAID = dict(zip(METRICS, ("tokens/s", "first token median", "first token p99", "
 
 def load_conditions(s: Sizes, target: Target) -> list[dict[str, Any]]:
     """labkit (its defaults) and each peer at every level; labkit at each budget of the sweep
-    at the top level only (a lineup's servers, or a labkit in this process started with each); the
-    engine alone at one stream, where its model is in this process, right after labkit's one
-    stream (the two a ratio compares are measured next to each other, in either order)."""
+    at the top level only (a lineup's servers, or a labkit in this process started with each).
+    The engine alone is no condition of its own: labkit's one stream measures it, run by run."""
     lineup, top = as_lineup(target), max(s.levels)
     main = [n for n in (LABKIT, *PEERS) if n in lineup.servers or n in lineup.missing] or list(lineup.servers)
-    out = []
-    for level in s.levels:
-        for n in main:
-            out.append({"server": n, "level": level})
-            if level == 1 and n == main[0] and lineup.loaded is not None:
-                out.append({"server": ENGINE, "level": 1})
+    out = [{"server": n, "level": level} for level in s.levels for n in main]
     return out + [{"server": labkit_name(b), "level": top} for b in s.budgets if labkit_name(b) not in main]
 
 
@@ -88,7 +82,7 @@ def prepare_load(target: Target, s: Sizes) -> dict[str, Any]:
 
     lineup = as_lineup(target)
     engine = None
-    if lineup.loaded is not None:
+    if lineup.loaded is not None and 1 in s.levels:
         engine = BatchEngine(lineup.loaded, EngineConfig(max_batch=1, num_blocks=max(8, s.tokens // 8)))
         engine_alone(engine, WARM_TOKENS)
     return {"engine": engine}
@@ -107,26 +101,33 @@ def engine_alone(engine: Any, tokens: int) -> dict[str, Any]:
             "whole": int(made == tokens), "failed": 0}  # fmt: skip
 
 
-def measure_load(trial: Trial) -> dict[str, Any]:
+def measure_load(trial: Trial) -> dict[str, Any] | list[dict[str, Any]]:
     """One launch of ``level`` streams; at one stream ``solo`` launches in a row, the one of median
     tokens/s kept (a stream of one is over in a second or two, where a passing hiccup of the
-    machine moves one reading by a tenth: the ratio to the engine alone needs the steadier one)."""
+    machine moves one reading by a tenth). labkit's one stream takes turns with the engine alone
+    in this process, run by run (A B B A …), so the ratio compares readings seconds apart."""
     s, lineup = trial.sizes, as_lineup(trial.target)
-    runs = s.solo if trial.level == 1 else 1
-    if trial.server == ENGINE:
-        return _median([engine_alone(trial.state["engine"], s.tokens) for _ in range(runs)])
     server = lineup.server(trial.server)
     since = server.current_step() if server.caps.lab else None
-    launches = [server.launch([server.request(p, s.tokens) for p in cycle(trial.level)]) for _ in range(runs)]
-    row = _median([{**d.row(), "streams": trial.level, "whole": sum(x.ok and x.tokens == s.tokens for x in d.streams)}
-                   for d in launches])  # fmt: skip
+    engine = trial.state["engine"] if trial.server == LABKIT and trial.level == 1 else None
+    http: list[dict[str, Any]] = []
+    alone: list[dict[str, Any]] = []
+    for i in range(s.solo if trial.level == 1 else 1):
+        for side in ("http", "engine")[:: 1 if i % 2 == 0 else -1] if engine is not None else ("http",):
+            if side == "engine":
+                alone.append(engine_alone(engine, s.tokens))
+                continue
+            done = server.launch([server.request(p, s.tokens) for p in cycle(trial.level)])
+            http.append({**done.row(), "streams": trial.level,
+                         "whole": sum(x.ok and x.tokens == s.tokens for x in done.streams)})  # fmt: skip
+    row = _median(http)
     if trial.server in lineup.budgets:
         budgets = lineup.budgets[trial.server]
         row["budget"] = label(budgets)
         if since is not None:
             steps = server.steps(since)
             row.update(steps=len(steps), over_budget=over_budget(steps, *budgets))
-    return row
+    return [row, {**_median(alone), "server": ENGINE}] if alone else row
 
 
 def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:

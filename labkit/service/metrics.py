@@ -9,10 +9,11 @@ no second set of books to drift from the first.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, GCCollector, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -47,6 +48,7 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(StateCollector(read))
+        GCCollector(registry=self.registry)  # python_gc_collections_total by generation: a full one stalls every stream
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -70,6 +72,8 @@ class StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self.read()
         yield _gauge("labkit_open_streams", "Streams registered in the hub.", stats.open_streams)
+        yield _gauge("python_gc_frozen_objects", "Objects the collector skips (labkit serve's startup heap).",
+                     gc.get_freeze_count())  # fmt: skip
         yield _gauge("labkit_queue_depth", "Requests waiting for a batch slot.", stats.waiting)
         yield _gauge("labkit_running_requests", "Requests in the decode batch.", stats.running)
         yield _gauge("labkit_paused_requests", "Requests paused for a slow reader.", stats.paused)
