@@ -54,6 +54,23 @@ def test_an_alternating_spec_runs_its_conditions_backwards_every_other_repetitio
     assert (out / "data" / "target-toy").is_dir() and not (out / "data" / "toy").exists()  # not a server the lab started
 
 
+def test_no_garbage_collection_runs_while_a_trial_measures_and_it_is_back_after_even_a_crash():
+    import gc
+
+    during = []
+
+    def measure(trial):
+        during.append(gc.isenabled())
+        if trial.repetition == 1 and trial.value == 3:
+            raise RuntimeError("the last trial breaks")
+        return {}
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="breaks"):
+        run(spec(measure), target(), profile=PROFILE, show=False)
+    assert during == [False] * 6 and gc.isenabled()
+
+
 def test_overrides_change_sizes_by_name_and_refuse_unknown_names():
     result = run(spec(lambda t: {"v": t.value}), target(), profile=PROFILE, show=False, values=[5], repetitions=1)
     assert list(result.table().value) == [5] and result.sizes["values"] == (5,)

@@ -12,9 +12,12 @@ witness becomes a "not measurable" row naming why, and the rest goes on.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -214,7 +217,8 @@ def _trials(
                 try:
                     settings = spec.server(sizes, condition) if target.caps.settings else {}
                     trial = Trial(target.variant(**settings), dict(condition), sizes, rep, state)
-                    out = spec.measure(trial)
+                    with collector_paused():
+                        out = spec.measure(trial)
                 except NotMeasurable as exc:
                     skipped.add(i)
                     missing.append({"measurement": exc.what, "condition": label, "because": exc.because})
@@ -234,6 +238,21 @@ def _trials(
         if state is not None and hasattr(state, "close"):
             state.close()  # engines or servers the experiment's prepare started
     return rows, kept, missing
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """timeit's rule, for a trial: no garbage collection while its clocks run. The lab's client
+    (and a labkit in this process) share the heap with the model: a full collection walks it in
+    about 0.3 s with the GIL held, a pause the tables would charge to the server. Objects still
+    go when their last reference does; cycles wait for the collector, which runs between trials."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _keep(folder: Path, tables: dict[str, list[dict[str, Any]]]) -> None:
