@@ -348,10 +348,12 @@ def serve_from_args(args: argparse.Namespace) -> None:
     """Serve until SIGINT or SIGTERM (blocking); then drain, stop the step thread and return."""
     config = config_from_args(args)
     engine, hub, app = _build(args.model, config)
-    freeze_heap()
     sock = _listening_socket(config.http)
+    server = _uvicorn_server(app, config)
+    sock.listen(server.config.backlog)  # who connects while the heap freezes waits in the backlog, never refused
+    freeze_heap()
     try:
-        _uvicorn_server(app, config).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         hub.stop()
         sock.close()
