@@ -113,13 +113,13 @@ def measure_load(trial: Trial) -> dict[str, Any] | list[dict[str, Any]]:
     http: list[dict[str, Any]] = []
     alone: list[dict[str, Any]] = []
     for i in range(s.solo if trial.level == 1 else 1):
-        for side in ("http", "engine")[:: 1 if i % 2 == 0 else -1] if engine is not None else ("http",):
-            if side == "engine":
-                alone.append(engine_alone(engine, s.tokens))
-                continue
-            done = server.launch([server.request(p, s.tokens) for p in cycle(trial.level)])
-            http.append({**done.row(), "streams": trial.level,
-                         "whole": sum(x.ok and x.tokens == s.tokens for x in done.streams)})  # fmt: skip
+        if engine is not None and i % 2 == 1:  # A B, B A, A B: each side first every other time
+            alone.append(engine_alone(engine, s.tokens))
+        done = server.launch([server.request(p, s.tokens) for p in cycle(trial.level)])
+        whole = sum(x.ok and x.tokens == s.tokens for x in done.streams)
+        http.append({**done.row(), "streams": trial.level, "whole": whole})
+        if engine is not None and i % 2 == 0:
+            alone.append(engine_alone(engine, s.tokens))
     row = _median(http)
     if trial.server in lineup.budgets:
         budgets = lineup.budgets[trial.server]
