@@ -116,6 +116,12 @@ def test_a_crash_keeps_the_finished_trials_on_disk_and_closes_what_prepare_start
     assert list(partial.value) == [1, 2, 3, 1] and closed == [True]
 
 
+def test_an_unsaved_run_leaves_nothing_on_disk(out):
+    result = run(spec(lambda t: {"v": t.value}), target(), profile=PROFILE, save=False, show=False)
+    assert sorted(result.table().value) == [1, 1, 2, 2, 3, 3]
+    assert not result.folder.exists() or not any(result.folder.iterdir())
+
+
 def test_a_saved_result_reads_back_with_the_same_tables_and_verdicts(out):
     def tables(t, s):
         return {"by_value": t["rows"].groupby("value", as_index=False).v.sum()}
