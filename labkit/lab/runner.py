@@ -6,8 +6,8 @@ its rows and tables, verdicts, figures on demand, the commit and the machine's s
 run in the order A B C, A B C, … (A B C, C B A, … where the spec alternates) so a drift in the
 machine's load spreads over every condition.
 Each finished trial's rows are written at once to ``<data>/<group>/<measurement>/partial/``; the
-whole run replaces them with its tables and ``results.json`` (an unsaved run, with nothing). A measurement the target cannot
-witness becomes a "not measurable" row naming why, and the rest goes on.
+whole run replaces them with its tables and ``results.json`` (an unsaved run, with nothing). A
+measurement the target cannot witness becomes a "not measurable" row naming why, and the rest goes on.
 """
 
 from __future__ import annotations
