@@ -201,8 +201,10 @@ print(browser.checked())
 #
 # `labkit serve` runs as a process of its own (started here beside the in-thread server, with its
 # settings in the scale table): two batch slots, one held by a client that never reads, so its
-# writer blocks and the drain stays open long enough to be seen; streams are opened (every other
-# one resumable) and some wait for a slot. Once every stream is open and one is decoding, SIGTERM;
+# writer blocks and the drain stays open long enough to be seen. Only once the server reports that
+# stream paused (its writes blocked: before that it would take its `shutdown` event at once and the
+# drain would be over before the first probe) are the other streams opened, every other one
+# resumable, and some wait for a slot. Once every stream is open and one is decoding, SIGTERM;
 # from that moment a prober sends a short request after each answer until the port refuses. Then
 # the same command starts the server again on the same port, and each resumable stream's client
 # tries to resume.

@@ -275,7 +275,9 @@ async def drain(server: Any, s: Any) -> tuple[list[Stream], list[Row], int, floa
     leave = asyncio.Event()  # a client that never reads holds a slot: its blocked writer keeps the drain open
     hold = ReadOptions(read=False, leave_after_s=s.timeout, rcvbuf=4096)
     holder = asyncio.ensure_future(read(server.url, server.request("I never read", s.tokens), hold, leave=leave))
-    await asyncio.to_thread(wait_for, lambda: server.stats()["running"], timeout=s.timeout, what="the holder running")
+    # Paused, not merely running: until its writes block, the holder takes its shutdown event at once,
+    # the drain ends within milliseconds and the probes meet a closed listener (a fast machine's 38 ms).
+    await asyncio.to_thread(wait_for, lambda: server.stats()["paused"], timeout=s.timeout, what="the holder paused")
     streams = [Stream(api=server.api) for _ in range(s.streams)]
     tasks = [asyncio.ensure_future(server.stream(server.request(f"Stream {i} before the restart", s.tokens,
              resumable=i % 2 == 1), ReadOptions(timeout=s.timeout), result=st))
