@@ -253,8 +253,13 @@ share.verdict_table()
 # * **both clients whole**: every request of both ends at its length. Falsified by any failure.
 # * **tokens/s agree** and **inter-token latency agrees**: GuideLLM's median over the lab's lies
 #   within 0.8 to 1.25. Falsified outside it. Where they part, the table says which client read
-#   the server slower; a client that spends more of the two cores on itself than the server
-#   needs per token reads a slower server than is there.
+#   the server slower.
+# * **each client reads the server's own pace**: the two clients share the machine with the
+#   server, so a client that spends more of the cores on itself slows the server it reads, and
+#   then the two clients disagree while each reads truly. The server's step log is the witness
+#   that tells the cases apart: in every run, the client's inter-token latency over the server's
+#   median decode step in that run lies within 0.8 to 1.25. Falsified by any run outside it: a
+#   client that misreads the streams it gets.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -14,18 +14,22 @@ import pandas as pd
 import pytest
 
 from labkit.experiments import crosscheck, overlap
-from labkit.lab import NotMeasurable, Sizes
+from labkit.lab import LocalLab, NotMeasurable, Sizes
 
 SIZES = crosscheck.GUIDELLM.sizes_for("ci")
 
 
-def _rows(guidellm_tps: float = 100.0, guidellm_itl: float = 10.0, failed: int = 0) -> pd.DataFrame:
+def _rows(guidellm_tps: float = 100.0, guidellm_itl: float = 10.0, failed: int = 0,
+          guidellm_step: float | None = None) -> pd.DataFrame:
+    """Three runs a client; the server's step is the client's ITL unless ``guidellm_step`` says otherwise."""
     rows = []
     for rep in range(3):
         rows.append({"tool": "lab client", "repetition": rep, "tokens": SIZES.streams * SIZES.tokens,
-                     "tokens_per_s": 100.0 + rep, "itl_ms": 10.0 + rep / 10, "failed": 0})  # fmt: skip
+                     "tokens_per_s": 100.0 + rep, "itl_ms": 10.0 + rep / 10, "failed": 0,
+                     "server_step_ms": 10.0})  # fmt: skip
         rows.append({"tool": "GuideLLM", "repetition": rep, "tokens": SIZES.streams * SIZES.tokens,
-                     "tokens_per_s": guidellm_tps + rep, "itl_ms": guidellm_itl, "failed": failed})  # fmt: skip
+                     "tokens_per_s": guidellm_tps + rep, "itl_ms": guidellm_itl, "failed": failed,
+                     "server_step_ms": guidellm_itl if guidellm_step is None else guidellm_step})  # fmt: skip
     return pd.DataFrame(rows)
 
 
@@ -41,6 +45,33 @@ def test_a_client_that_sees_half_the_throughput_or_twice_the_latency_disagrees()
     assert _said(_rows(guidellm_tps=50.0))["tokens/s agree"] == "falsified"
     assert _said(_rows(guidellm_itl=20.0))["inter-token latency agrees"] == "falsified"
     assert _said(_rows(failed=1))["both clients whole"] == "falsified"
+
+
+def test_a_client_that_slowed_the_server_still_reads_the_server_s_own_pace():
+    """GuideLLM's processes share the cores: the server steps at 20 ms under it, 10 under the lab's."""
+    said = _said(_rows(guidellm_tps=50.0, guidellm_itl=20.0))
+    assert said["inter-token latency agrees"] == "falsified"
+    assert said["each client reads the server's own pace"] == "holds"
+
+
+def test_a_client_whose_latency_is_not_the_server_s_step_misreads():
+    assert _said(_rows(guidellm_itl=20.0, guidellm_step=10.0))["each client reads the server's own pace"] == "falsified"
+
+
+def test_without_a_step_log_the_pace_check_is_unclear():
+    rows = _rows().assign(server_step_ms=float("nan"))
+    assert _said(rows)["each client reads the server's own pace"] == "unclear"
+
+
+def test_the_server_step_is_read_from_a_real_server_s_step_log(tiny_gpt2):
+    """The lab client's ITL against the in-thread server and that server's median decode step."""
+    with LocalLab(tiny_gpt2) as target:
+        first = target.current_step()
+        row = crosscheck.lab_client(target, SIZES)
+        step = crosscheck.server_step_ms(target, first)
+    assert row["failed"] == 0 and row["tokens"] == SIZES.streams * SIZES.tokens
+    assert 0 < step < float("inf")
+    assert row["itl_ms"] >= 0.8 * step  # one token a step: no client reads a stream faster than the server steps
 
 
 def test_a_missing_client_leaves_its_verdicts_unclear():

@@ -11,6 +11,11 @@ Both quantities are computed the same way on both sides: tokens/s divides all ou
 span between the earliest request and the latest end of a stream, and a request's inter-token latency is
 (last token - first token) / (tokens - 1), its median over the requests.
 
+The two clients share the machine with the server, so a heavier client slows the server it reads, and
+the two can disagree while each reads truly. The server's own step log (lab routes) is the witness
+that tells the cases apart: each run records the server's median decode step, and each client's
+inter-token latency is judged against the step the server took while that client read it.
+
 GuideLLM is a dev extra in an environment of its own (``make guidellm``: its pins differ from
 labkit's), run as a program, never imported; where it is missing the rows say so.
 """
@@ -70,9 +75,23 @@ def prepare(target: Target, s: Sizes) -> Served:
 
 def measure(trial: Trial) -> dict[str, Any]:
     served, s = trial.state, trial.sizes
-    if trial.tool == "GuideLLM":
-        return run_guidellm(served, s)
     target = served.target
+    first = target.current_step() if target.caps.lab else None
+    row = run_guidellm(served, s) if trial.tool == "GuideLLM" else lab_client(target, s)
+    return row | {"server_step_ms": server_step_ms(target, first)}
+
+
+def server_step_ms(target: Target, first: int | None) -> float:
+    """The server's median decode-only step since step ``first``: the pace its streams' tokens left
+    at, whoever read them; NaN where the target keeps no step log."""
+    if first is None:
+        return float("nan")
+    steps = target.steps(first)
+    decode = steps[(steps.decoded > 0) & (steps.prefilled == 0)]
+    return 1e3 * float(decode.seconds.median()) if len(decode) else float("nan")
+
+
+def lab_client(target: Target, s: Sizes) -> dict[str, Any]:
     body = {"max_tokens": s.tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}} | ({"model": target.model} if target.model else {})  # fmt: skip
     requests = [
@@ -111,7 +130,8 @@ def run_guidellm(served: Served, s: Sizes) -> dict[str, Any]:
 
 
 def tables(t: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
-    return {"tools": spread(t["rows"], "tool", ["tokens_per_s", "itl_ms"])}
+    rows = t["rows"].assign(itl_over_step=lambda r: r.itl_ms / r.server_step_ms)
+    return {"tools": spread(rows, "tool", ["tokens_per_s", "itl_ms", "server_step_ms", "itl_over_step"])}
 
 
 def agree(rows: pd.DataFrame, column: str) -> tuple[bool | None, str]:
@@ -133,7 +153,24 @@ def verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
               f"{int(rows.failed.sum())} failed; tokens per run {sorted(set(rows.tokens))}", checked=True),
         judge("tokens/s agree", bar, "outside it", *agree(rows, "tokens_per_s")),
         judge("inter-token latency agrees", bar, "outside it", *agree(rows, "itl_ms")),
+        judge("each client reads the server's own pace", f"each client's inter-token latency over the server's "
+              f"median decode step in the same run within {AGREE[0]:g}–{AGREE[1]:g}, every run", "a run outside it",
+              *own_pace(rows)),
     ]  # fmt: skip
+
+
+def own_pace(rows: pd.DataFrame) -> tuple[bool | None, str]:
+    """Each run's client ITL over the server's step then: a client that reads truly matches the
+    server's clock, however much the client itself slowed the server."""
+    ratio = rows.itl_ms / rows.server_step_ms
+    if ratio.isna().any() or rows.empty:
+        return None, "the target keeps no step log (labkit serve --lab-routes)"
+    within = bool(ratio.between(*AGREE).all())
+    return within, "; ".join(
+        f"{tool}: ITL/step {span(ratio[rows.tool == tool], '{:.2f}')}, server step "
+        f"{span(rows.server_step_ms[rows.tool == tool], '{:.1f}', ' ms')}"
+        for tool in TOOLS
+    )
 
 
 GUIDELLM = Experiment(
