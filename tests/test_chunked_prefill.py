@@ -150,6 +150,7 @@ def test_decode_rows_over_the_budget_still_leave_one_prompt_token_a_step(tiny_gp
     while sum(1 for s in engine.scheduler.running if s.decoding) < 8:
         engine.step()
         drain_steps += 1
+    engine.step()  # settled: a prompt right after the surge would count as part of its burst
     rid = engine.submit(list(range(30, 40)), max_new_tokens=2)
     steps = [engine.step() for _ in range(10)]
     assert [(r.decoded, r.prefill_tokens) for r in engine.step_log][-10:] == [(8, 1)] * 10
@@ -165,8 +166,10 @@ def test_a_surge_of_prompts_at_an_idle_engine_starts_under_the_surge_budget(tiny
     first = engine.step()
     assert {e.rid for e in first} == set(rids[:12]), "twelve prompts of 8 tokens (and 4 of the next) fill 100"
     collect(first, outcomes)
-    collect(engine.step(), outcomes)  # twelve streams decode, two prompts could start: no surge, 1 prompt token
-    assert [(r.decoded, r.prefill_tokens, r.surge) for r in engine.step_log] == [(0, 100, True), (12, 1, False)]
+    collect(engine.step(), outcomes)  # the surge's twelve streams decode, the burst's last two prompts start
+    collect(engine.step(), outcomes)  # fourteen streams, nothing waiting: no surge
+    assert [(r.decoded, r.prefill_tokens, r.surge) for r in engine.step_log] == [(0, 100, True), (12, 12, True),
+                                                                                 (14, 0, False)]  # fmt: skip
     drain(engine, outcomes)
     for prompt, rid in zip(prompts, rids):
         alone = make_engine(tiny_llama, step_tokens=None)
@@ -192,11 +195,45 @@ def test_a_long_prompt_among_running_streams_is_chunked_by_the_small_budget(tiny
     for i in range(4):
         engine.submit([20 + i], max_new_tokens=40, ignore_eos=True)
     engine.step()  # four one-token prompts: a surge at an idle engine, all start
+    engine.step()  # their second tokens: four settled streams
     rid = engine.submit(list(range(30, 80)), max_new_tokens=2)  # one prompt starting, four streams it would stall
     for _ in range(3):
         engine.step()
-    assert [(r.decoded, r.prefill_tokens, r.surge) for r in engine.step_log] == [(0, 4, True)] + [(4, 4, False)] * 3
+    assert [(r.decoded, r.prefill_tokens, r.surge) for r in engine.step_log] == [(0, 4, True), (4, 0, False)] + [
+        (4, 4, False)] * 3  # fmt: skip
     assert engine.scheduler.live[rid].num_prefilled == 12
+
+
+def test_a_burst_split_by_a_step_boundary_starts_as_one_surge(tiny_gpt2: LoadedModel) -> None:
+    """Twenty of 32 clients reach the first step, twelve arrive while it runs: the twelve are fewer
+    than the twenty streams decoding, but those are their own burst, one token old, so the surge
+    goes on and the twelve start in the next step instead of one small budget at a time."""
+    engine = make_engine(tiny_gpt2, step_tokens=64, surge_tokens=2048)
+    for i in range(20):
+        engine.submit(list(range(30 + i, 70 + i)), max_new_tokens=8, ignore_eos=True)
+    engine.step()
+    late = [engine.submit(list(range(130 + i, 170 + i)), max_new_tokens=8, ignore_eos=True) for i in range(12)]
+    engine.step()
+    assert [engine.scheduler.live[rid].num_output for rid in late] == [1] * 12, "all twelve have their first token"
+    engine.step()  # thirty-two streams, the twelve one token old, nothing waiting: the surge is over
+    assert [(r.decoded, r.prefill_tokens, r.surge) for r in engine.step_log] == [(0, 800, True), (20, 480, True),
+                                                                                 (32, 0, False)]  # fmt: skip
+
+
+def test_streams_one_token_old_from_an_ordinary_step_do_not_make_a_surge(tiny_gpt2: LoadedModel) -> None:
+    engine = make_engine(tiny_gpt2, step_tokens=8, surge_tokens=1000)
+    for i in range(4):
+        engine.submit([20 + i], max_new_tokens=40, ignore_eos=True)
+    engine.step()  # a surge: four streams
+    engine.step()  # settled
+    for i in range(2):
+        engine.submit([40 + i, 50 + i], max_new_tokens=40, ignore_eos=True)
+    engine.step()  # two prompts among four streams: the small budget, 8 - 4 = 4 tokens, both start
+    for i in range(3):
+        engine.submit(list(range(60 + 10 * i, 70 + 10 * i)), max_new_tokens=2)
+    engine.step()  # three prompts, six streams (two one token old, not from a surge): 8 - 6 = 2 tokens
+    assert [(r.decoded, r.prefill_tokens, r.surge) for r in engine.step_log] == [
+        (0, 4, True), (4, 0, False), (4, 4, False), (6, 2, False)]  # fmt: skip
 
 
 def test_prompts_that_could_not_be_admitted_now_do_not_make_a_surge(tiny_gpt2: LoadedModel) -> None:
@@ -204,6 +241,7 @@ def test_prompts_that_could_not_be_admitted_now_do_not_make_a_surge(tiny_gpt2: L
     for i in range(4):
         engine.submit([20 + i], max_new_tokens=40, ignore_eos=True)  # 11 blocks each
     engine.step()
+    engine.step()  # settled streams
     engine.submit(list(range(30, 80)), max_new_tokens=2)  # 13 blocks: 3 left
     engine.step()
     held = [engine.submit(list(range(90, 100)), max_new_tokens=30) for _ in range(5)]  # 10 blocks each: no room
@@ -217,6 +255,7 @@ def test_paused_prompts_do_not_make_a_surge(tiny_gpt2: LoadedModel) -> None:
     engine = make_engine(tiny_gpt2, step_tokens=8, surge_tokens=1000)
     engine.submit([20], max_new_tokens=40, ignore_eos=True)
     engine.step()
+    engine.step()  # a settled stream
     held = [engine.submit(list(range(30, 60)), max_new_tokens=2) for _ in range(3)]
     for rid in held[1:]:
         engine.pause(rid)

@@ -19,8 +19,11 @@ longer step stalls fewer streams than it moves prompts along, so the step takes 
 prompt more than ``step_tokens`` of it: 32 short prompts arriving together start in one step
 rather than one budget at a time, while a long prompt is chunked by the small budget whoever else
 is there, so it never buys a long step for itself. Only prompts that could be admitted now count
-(a free slot and their reservation, in admission order). ``surge_tokens=None``: the small budget
-always.
+(a free slot and their reservation, in admission order). Right after a surge step, the streams it
+started (their first token only) count with the prompts, not with the streams: clients that arrive
+together reach the inbox on either side of a step boundary, and a burst split there (say 20 of 32
+prompts in the first step) would otherwise leave the rest outnumbered by their own burst and
+trickling in through the small budget. ``surge_tokens=None``: the small budget always.
 """
 
 from __future__ import annotations
@@ -146,13 +149,21 @@ class Scheduler:
         """Prompt tokens this step may run: the budget (the surge budget while more prompts could
         start than streams decode) less the decode rows, at least one (None: no limit, the
         unchunked engine)."""
-        self.surging = False
+        after_surge, self.surging = self.surging, False
         if self.step_tokens is None:
             return None
         budget = self.step_tokens
-        if self.surge_tokens is not None and self._starting(decode_rows + 1) > decode_rows:
+        if self.surge_tokens is not None and self._surge(decode_rows, after_surge):
             self.surging, budget = True, self.surge_tokens
         return max(1, budget - decode_rows)
+
+    def _surge(self, decode_rows: int, after_surge: bool) -> bool:
+        """More prompts could start than streams decode; after a surge step, the streams it started
+        (one token so far) are counted on the prompts' side, as the rest of the same burst."""
+        young = sum(1 for s in self.running if s.decoding and s.num_output == 1) if after_surge else 0
+        settled = decode_rows - young
+        starting = self._starting(max(settled - young, 0) + 1)
+        return starting > 0 and starting + young > settled
 
     def _starting(self, limit: int) -> int:
         """Prompts that this step could move along (partly prefilled ones, and waiting ones that
