@@ -183,6 +183,7 @@ def test_in_a_surge_no_prompt_takes_more_than_the_small_budget(tiny_gpt2: Loaded
     for i in range(2):
         engine.submit([20 + i], max_new_tokens=40, ignore_eos=True)
     engine.step()  # two one-token prompts at an idle engine: both start
+    engine.step()  # two settled streams
     long = [engine.submit(list(range(30, 230)), max_new_tokens=1) for _ in range(3)]  # 3 long prompts, 2 streams
     engine.step()
     assert [(r.decoded, r.prefill_tokens, r.surge) for r in engine.step_log][-1] == (2, 24, True), (
@@ -208,16 +209,35 @@ def test_a_burst_split_by_a_step_boundary_starts_as_one_surge(tiny_gpt2: LoadedM
     """Twenty of 32 clients reach the first step, twelve arrive while it runs: the twelve are fewer
     than the twenty streams decoding, but those are their own burst, one token old, so the surge
     goes on and the twelve start in the next step instead of one small budget at a time."""
-    engine = make_engine(tiny_gpt2, step_tokens=64, surge_tokens=2048)
+    engine = make_engine(tiny_gpt2, step_tokens=64, surge_tokens=2048, max_batch=33)
     for i in range(20):
         engine.submit(list(range(30 + i, 70 + i)), max_new_tokens=8, ignore_eos=True)
     engine.step()
     late = [engine.submit(list(range(130 + i, 170 + i)), max_new_tokens=8, ignore_eos=True) for i in range(12)]
     engine.step()
     assert [engine.scheduler.live[rid].num_output for rid in late] == [1] * 12, "all twelve have their first token"
-    engine.step()  # thirty-two streams, the twelve one token old, nothing waiting: the surge is over
+    engine.submit(list(range(230, 270)), max_new_tokens=8, ignore_eos=True)
+    engine.step()  # one prompt and twelve streams one token old are fewer than twenty settled: the surge is over
     assert [(r.decoded, r.prefill_tokens, r.surge) for r in engine.step_log] == [(0, 800, True), (20, 480, True),
-                                                                                 (32, 0, False)]  # fmt: skip
+                                                                                 (32, 32, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("arriving", "surge"), [(4, False), (5, True)])
+def test_after_a_surge_its_new_streams_and_the_prompts_must_outnumber_the_settled_streams(
+    tiny_gpt2: LoadedModel, arriving: int, surge: bool
+) -> None:
+    engine = make_engine(tiny_gpt2, step_tokens=8, surge_tokens=1000)
+    for i in range(6):
+        engine.submit([20 + i], max_new_tokens=40, ignore_eos=True)
+    engine.step()  # a surge at an idle engine: six streams
+    for i in range(2):
+        engine.submit([30 + i], max_new_tokens=40, ignore_eos=True)
+    engine.step()  # two more while the six are one token old: still the surge
+    for i in range(arriving):
+        engine.submit([40 + i], max_new_tokens=40, ignore_eos=True)
+    engine.step()  # six settled, two one token old: the prompts need 2 + n > 6
+    expected = (8, arriving, True) if surge else (8, 1, False)
+    assert [(r.decoded, r.prefill_tokens, r.surge) for r in engine.step_log] == [(0, 6, True), (6, 2, True), expected]
 
 
 def test_streams_one_token_old_from_an_ordinary_step_do_not_make_a_surge(tiny_gpt2: LoadedModel) -> None:

@@ -8,6 +8,7 @@ compares in ``make test``.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -15,21 +16,22 @@ import pytest
 
 from labkit.experiments import crosscheck, overlap
 from labkit.lab import LocalLab, NotMeasurable, Sizes
+from labkit.lab.witness import step_table
 
 SIZES = crosscheck.GUIDELLM.sizes_for("ci")
 
 
 def _rows(guidellm_tps: float = 100.0, guidellm_itl: float = 10.0, failed: int = 0,
           guidellm_step: float | None = None) -> pd.DataFrame:
-    """Three runs a client; the server's step is the client's ITL unless ``guidellm_step`` says otherwise."""
+    """Three runs a client; the server's period is the client's ITL unless ``guidellm_step`` says otherwise."""
     rows = []
     for rep in range(3):
         rows.append({"tool": "lab client", "repetition": rep, "tokens": SIZES.streams * SIZES.tokens,
                      "tokens_per_s": 100.0 + rep, "itl_ms": 10.0 + rep / 10, "failed": 0,
-                     "server_step_ms": 10.0})  # fmt: skip
+                     "server_period_ms": 10.0})  # fmt: skip
         rows.append({"tool": "GuideLLM", "repetition": rep, "tokens": SIZES.streams * SIZES.tokens,
                      "tokens_per_s": guidellm_tps + rep, "itl_ms": guidellm_itl, "failed": failed,
-                     "server_step_ms": guidellm_itl if guidellm_step is None else guidellm_step})  # fmt: skip
+                     "server_period_ms": guidellm_itl if guidellm_step is None else guidellm_step})  # fmt: skip
     return pd.DataFrame(rows)
 
 
@@ -59,16 +61,51 @@ def test_a_client_whose_latency_is_not_the_server_s_step_misreads():
 
 
 def test_without_a_step_log_the_pace_check_is_unclear():
-    rows = _rows().assign(server_step_ms=float("nan"))
+    rows = _rows().assign(server_period_ms=float("nan"))
     assert _said(rows)["each client reads the server's own pace"] == "unclear"
+    assert _said(rows.drop(columns="server_period_ms"))["each client reads the server's own pace"] == "unclear"
+    assert crosscheck.tables({"rows": rows.drop(columns="server_period_ms")}, SIZES)["tools"].shape[0] == 2
 
 
-def test_the_server_step_is_read_from_a_real_server_s_step_log(tiny_gpt2):
-    """The lab client's ITL against the in-thread server and that server's median decode step."""
+def test_one_run_outside_the_band_falsifies_even_beside_runs_without_a_period():
+    rows = _rows()
+    rows.loc[0, "server_period_ms"] = float("nan")
+    rows.loc[1, "server_period_ms"] = 5.0  # GuideLLM's first run: ITL 10 ms at a 5 ms period
+    assert _said(rows)["each client reads the server's own pace"] == "falsified"
+
+
+def test_a_client_with_no_run_beside_a_period_leaves_the_pace_check_unclear():
+    rows = _rows()
+    rows.loc[rows.tool == "GuideLLM", "server_period_ms"] = float("nan")
+    said = {v.name: v for v in crosscheck.verdicts({"rows": rows}, SIZES)}["each client reads the server's own pace"]
+    assert said.outcome == "unclear" and "GuideLLM" in said.evidence
+
+
+class _StepLog:
+    """A step log as ``GET /lab/steps`` gives it: (step, started, seconds, decoded, prefilled)."""
+
+    def __init__(self, steps: list[tuple]) -> None:
+        self.rows = [dict(zip(["step", "started", "seconds", "decoded", "prefilled"], s)) for s in steps]
+
+    def steps(self, since: int) -> pd.DataFrame:
+        return step_table([r | {"prefill_tokens": 4 * r["prefilled"], "surge": False} for r in self.rows])
+
+
+def test_the_period_runs_start_to_start_between_consecutive_decode_only_steps():
+    log = _StepLog([(1, 0.00, 0.05, 0, 4), (2, 0.10, 0.05, 4, 0), (3, 0.20, 0.05, 4, 0), (4, 0.35, 0.05, 4, 1),
+                    (5, 0.50, 0.05, 4, 0), (6, 0.65, 0.05, 4, 0), (8, 1.30, 0.05, 4, 0)])  # fmt: skip
+    # 2->3: 100 ms; 5->6: 150 ms; not after a prefill (1->2, 4->5) nor across a gap in the numbers (6->8)
+    assert crosscheck.server_period_ms(log, 0) == pytest.approx(125.0)
+    assert math.isnan(crosscheck.server_period_ms(_StepLog([(1, 0.0, 0.05, 4, 0)]), 0)), "one step: no period"
+    assert math.isnan(crosscheck.server_period_ms(log, None))
+
+
+def test_the_server_period_is_read_from_a_real_server_s_step_log(tiny_gpt2):
+    """The lab client's ITL against the in-thread server and that server's median decode period."""
     with LocalLab(tiny_gpt2) as target:
         first = target.current_step()
         row = crosscheck.lab_client(target, SIZES)
-        step = crosscheck.server_step_ms(target, first)
+        step = crosscheck.server_period_ms(target, first)
     assert row["failed"] == 0 and row["tokens"] == SIZES.streams * SIZES.tokens
     assert 0 < step < float("inf")
     assert row["itl_ms"] >= 0.8 * step  # one token a step: no client reads a stream faster than the server steps

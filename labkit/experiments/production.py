@@ -277,7 +277,16 @@ async def drain(server: Any, s: Any) -> tuple[list[Stream], list[Row], int, floa
     holder = asyncio.ensure_future(read(server.url, server.request("I never read", s.tokens), hold, leave=leave))
     # Paused, not merely running: until its writes block, the holder takes its shutdown event at once,
     # the drain ends within milliseconds and the probes meet a closed listener (a fast machine's 38 ms).
-    await asyncio.to_thread(wait_for, lambda: server.stats()["paused"], timeout=s.timeout, what="the holder paused")
+    try:
+        await asyncio.to_thread(wait_for, lambda: holder.done() or server.stats()["paused"], timeout=s.timeout,
+                                what="the holder paused")  # fmt: skip
+    except Exception:
+        leave.set()
+        await holder
+        raise
+    if holder.done():
+        raise NotMeasurable("production.drain", "the stream that never reads ended before its writes blocked, so "
+                            "nothing would hold the drain open (events too small or socket buffers too large)")  # fmt: skip
     streams = [Stream(api=server.api) for _ in range(s.streams)]
     tasks = [asyncio.ensure_future(server.stream(server.request(f"Stream {i} before the restart", s.tokens,
              resumable=i % 2 == 1), ReadOptions(timeout=s.timeout), result=st))
