@@ -258,8 +258,9 @@ share.verdict_table()
 #   server, so a client that spends more of the cores on itself slows the server it reads, and
 #   then the two clients disagree while each reads truly. The server's step log is the witness
 #   that tells the cases apart: in every run, the client's inter-token latency over the server's
-#   median decode step in that run lies within 0.8 to 1.25. Falsified by any run outside it: a
-#   client that misreads the streams it gets.
+#   median decode period in that run (from the start of one decode step to the start of the
+#   next) lies within 0.8 to 1.25. Falsified by any run outside it: a client that misreads the
+#   streams it gets.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

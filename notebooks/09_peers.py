@@ -133,10 +133,12 @@ load.table("levels")
 # against gap p99, labkit at each budget, the peers on the same axes, all from the same rounds.
 #
 # labkit's defaults add a second budget for a surge (`EngineConfig.surge_tokens`): while more
-# prompts wait to start than streams decode, a long step stalls fewer streams than it starts, so
-# the step takes up to that many prompt tokens; once the streams outnumber the prompts, the small
-# budget is back. Where N prompts arrive at once, that starts them in a step or two, and the
-# streams running by then are few: labkit's own point can leave the curve.
+# prompts wait to start than streams decode (the streams a surge step has just started counting
+# with the prompts, so a burst that reaches the server on both sides of a step boundary is still
+# one surge), a long step stalls fewer streams than it starts, so the step takes up to that many
+# prompt tokens; once the streams outnumber the prompts, the small budget is back. Where N
+# prompts arrive at once, that starts them in a step or two, and the streams running by then are
+# few: labkit's own point can leave the curve.
 #
 # * **a smaller budget, smoother streams**: the smallest budget's gap p99 is below unchunked
 #   labkit's. Falsified if the interval (at the coverage fixed before measuring, which each verdict prints) of the ratio lies above one; a timing, unchecked.
