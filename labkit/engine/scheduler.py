@@ -161,9 +161,8 @@ class Scheduler:
         """More prompts could start than streams decode; after a surge step, the streams it started
         (one token so far) are counted on the prompts' side, as the rest of the same burst."""
         young = sum(1 for s in self.running if s.decoding and s.num_output == 1) if after_surge else 0
-        settled = decode_rows - young
-        starting = self._starting(max(settled - young, 0) + 1)
-        return starting > 0 and starting + young > settled
+        outnumber = max(0, decode_rows - 2 * young)  # settled streams less the young: what the prompts must exceed
+        return self._starting(outnumber + 1) > outnumber
 
     def _starting(self, limit: int) -> int:
         """Prompts that this step could move along (partly prefilled ones, and waiting ones that
