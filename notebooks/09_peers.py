@@ -134,8 +134,8 @@ load.table("levels")
 #
 # labkit's defaults add a second budget for a surge (`EngineConfig.surge_tokens`): while more
 # prompts wait to start than streams decode (the streams a surge step has just started counting
-# with the prompts, so a burst that reaches the server on both sides of a step boundary is still
-# one surge), a long step stalls fewer streams than it starts, so the step takes up to that many
+# with the prompts, once, so a burst that reaches the server on both sides of a step boundary is
+# still one surge), a long step stalls fewer streams than it starts, so the step takes up to that many
 # prompt tokens; once the streams outnumber the prompts, the small budget is back. Where N
 # prompts arrive at once, that starts them in a step or two, and the streams running by then are
 # few: labkit's own point can leave the curve.

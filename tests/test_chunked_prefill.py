@@ -222,8 +222,8 @@ def test_a_burst_split_by_a_step_boundary_starts_as_one_surge(tiny_gpt2: LoadedM
                                                                                  (32, 32, False)]  # fmt: skip
 
 
-@pytest.mark.parametrize(("arriving", "surge"), [(4, False), (5, True)])
-def test_after_a_surge_its_new_streams_and_the_prompts_must_outnumber_the_settled_streams(
+@pytest.mark.parametrize(("arriving", "surge"), [(8, False), (9, True)])
+def test_after_a_surge_that_needed_the_credit_the_prompts_alone_must_outnumber_every_stream(
     tiny_gpt2: LoadedModel, arriving: int, surge: bool
 ) -> None:
     engine = make_engine(tiny_gpt2, step_tokens=8, surge_tokens=1000)
@@ -232,12 +232,28 @@ def test_after_a_surge_its_new_streams_and_the_prompts_must_outnumber_the_settle
     engine.step()  # a surge at an idle engine: six streams
     for i in range(2):
         engine.submit([30 + i], max_new_tokens=40, ignore_eos=True)
-    engine.step()  # two more while the six are one token old: still the surge
+    engine.step()  # two more while the six are one token old: still the surge, on the credit
     for i in range(arriving):
         engine.submit([40 + i], max_new_tokens=40, ignore_eos=True)
-    engine.step()  # six settled, two one token old: the prompts need 2 + n > 6
+    engine.step()  # no second credit: the prompts need n > 8 streams
     expected = (8, arriving, True) if surge else (8, 1, False)
     assert [(r.decoded, r.prefill_tokens, r.surge) for r in engine.step_log] == [(0, 6, True), (6, 2, True), expected]
+
+
+def test_a_client_sending_short_prompts_every_step_cannot_chain_surges(tiny_gpt2: LoadedModel) -> None:
+    """The credit is once a burst. Five two-token requests a step beside eight streams: with a
+    credit after every surge, each step counted the last step's five as their own burst (5 + 5 > 13)
+    and every step was a surge step. Now a surge on the credit is followed by the small budget
+    (one prompt token a step) until the waiting prompts outnumber every stream by themselves."""
+    engine = make_engine(tiny_gpt2, step_tokens=8, surge_tokens=1000, max_batch=64)
+    for i in range(8):
+        engine.submit([20 + i], max_new_tokens=60, ignore_eos=True)
+    engine.step()  # a surge at an idle engine: eight streams
+    for _ in range(12):
+        for i in range(5):
+            engine.submit([40 + i], max_new_tokens=2, ignore_eos=True)
+        engine.step()
+    assert "".join("S" if r.surge else "." for r in engine.step_log) == "SS..SS..SS..S"
 
 
 def test_streams_one_token_old_from_an_ordinary_step_do_not_make_a_surge(tiny_gpt2: LoadedModel) -> None:

@@ -200,7 +200,7 @@ class BatchEngine:
         prefill_tokens = sum(len(w.tokens) for w in prefills)
         self.counters["prefill_tokens"] += prefill_tokens
         seconds = time.perf_counter() - started
-        surge = bool(prefills) and self.scheduler.surging
+        surge = bool(prefills) and self.scheduler.surging is not None
         decoded = len(work) - len(prefills)
         record = StepRecord(self.current_step, started, seconds, decoded, len(prefills), prefill_tokens, surge)
         self.step_log.append(record)

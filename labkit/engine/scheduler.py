@@ -23,7 +23,10 @@ is there, so it never buys a long step for itself. Only prompts that could be ad
 started (their first token only) count with the prompts, not with the streams: clients that arrive
 together reach the inbox on either side of a step boundary, and a burst split there (say 20 of 32
 prompts in the first step) would otherwise leave the rest outnumbered by their own burst and
-trickling in through the small budget. ``surge_tokens=None``: the small budget always.
+trickling in through the small budget. That credit is given once a burst: a surge that needed it
+gives none, so a client sending a few short prompts every step cannot chain surge steps (the
+prompts alone must then outnumber every stream again). ``surge_tokens=None``: the small budget
+always.
 """
 
 from __future__ import annotations
@@ -106,7 +109,9 @@ class Scheduler:
         self.max_batch = max_batch
         self.step_tokens = step_tokens
         self.surge_tokens = surge_tokens
-        self.surging = False  # whether the last schedule() gave prompts the surge budget
+        # the last schedule()'s surge: None, "outnumbered" (the prompts alone outnumbered the streams)
+        # or "credited" (only with the last surge's new streams on their side)
+        self.surging: Literal["outnumbered", "credited"] | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.live: dict[str, Sequence] = {}
@@ -149,20 +154,24 @@ class Scheduler:
         """Prompt tokens this step may run: the budget (the surge budget while more prompts could
         start than streams decode) less the decode rows, at least one (None: no limit, the
         unchunked engine)."""
-        after_surge, self.surging = self.surging, False
+        credit, self.surging = self.surging == "outnumbered", None
         if self.step_tokens is None:
             return None
         budget = self.step_tokens
-        if self.surge_tokens is not None and self._surge(decode_rows, after_surge):
-            self.surging, budget = True, self.surge_tokens
+        if self.surge_tokens is not None:
+            self.surging = self._surge(decode_rows, credit)
+            budget = self.surge_tokens if self.surging else budget
         return max(1, budget - decode_rows)
 
-    def _surge(self, decode_rows: int, after_surge: bool) -> bool:
-        """More prompts could start than streams decode; after a surge step, the streams it started
-        (one token so far) are counted on the prompts' side, as the rest of the same burst."""
-        young = sum(1 for s in self.running if s.decoding and s.num_output == 1) if after_surge else 0
+    def _surge(self, decode_rows: int, credit: bool) -> Literal["outnumbered", "credited"] | None:
+        """Whether more prompts could start than streams decode: "outnumbered" by the prompts alone,
+        or "credited" with the streams that the last surge started (one token so far) on the prompts'
+        side, as the rest of the same burst; the credit only follows an outnumbered surge."""
+        if self._starting(decode_rows + 1) > decode_rows:
+            return "outnumbered"
+        young = sum(1 for s in self.running if s.decoding and s.num_output == 1) if credit else 0
         outnumber = max(0, decode_rows - 2 * young)  # settled streams less the young: what the prompts must exceed
-        return self._starting(outnumber + 1) > outnumber
+        return "credited" if young and self._starting(outnumber + 1) > outnumber else None
 
     def _starting(self, limit: int) -> int:
         """Prompts that this step could move along (partly prefilled ones, and waiting ones that
