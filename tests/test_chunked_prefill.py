@@ -217,7 +217,7 @@ def test_a_burst_split_by_a_step_boundary_starts_as_one_surge(tiny_gpt2: LoadedM
     engine.step()
     assert [engine.scheduler.live[rid].num_output for rid in late] == [1] * 12, "all twelve have their first token"
     engine.submit(list(range(230, 270)), max_new_tokens=8, ignore_eos=True)
-    engine.step()  # one prompt and twelve streams one token old are fewer than twenty settled: the surge is over
+    engine.step()  # that surge needed the credit, so none now: one prompt against 32 streams, the surge is over
     assert [(r.decoded, r.prefill_tokens, r.surge) for r in engine.step_log] == [(0, 800, True), (20, 480, True),
                                                                                  (32, 32, False)]  # fmt: skip
 
@@ -242,7 +242,7 @@ def test_after_a_surge_that_needed_the_credit_the_prompts_alone_must_outnumber_e
 
 def test_a_client_sending_short_prompts_every_step_cannot_chain_surges(tiny_gpt2: LoadedModel) -> None:
     """The credit is once a burst. Five two-token requests a step beside eight streams: with a
-    credit after every surge, each step counted the last step's five as their own burst (5 + 5 > 13)
+    credit after every surge, each step counted the last step's five as their own burst (5 + 5 > 8 settled)
     and every step was a surge step. Now a surge on the credit is followed by the small budget
     (one prompt token a step) until the waiting prompts outnumber every stream by themselves."""
     engine = make_engine(tiny_gpt2, step_tokens=8, surge_tokens=1000, max_batch=64)

@@ -40,7 +40,7 @@ class EngineConfig:
     least one prompt token per step goes in whatever the decode rows take). ``None`` is
     unchunked: each step prefills every prompt it admits whole, before the streams move on.
     ``surge_tokens``: the budget instead while more prompts could start than streams decode (the
-    streams a surge step just started counting as prompts; no prompt taking more than
+    streams a surge step just started counting as prompts, once a burst; no prompt taking more than
     ``step_tokens`` of the budget), when a longer step stalls fewer streams than
     it moves prompts along; at least ``step_tokens``, and unused unchunked (None: ``step_tokens``
     always).

@@ -276,7 +276,7 @@ LOAD = Experiment(
     name="peers.load",
     title="Streams at once on labkit, llama.cpp and transformers serve; labkit's budgets; the engine alone",
     # nine rounds: the 95% interval of a median of nine leaves out the lowest and the highest round
-    # (six keep both), so one round disturbed for every server cannot leave a ratio unclear
+    # (of six it keeps both), so one disturbed round no longer sets an end of a ratio's interval
     sizes={
         "full": {"levels": (1, 8, 32), "tokens": 64, "budgets": (16, 64, 256, None), "solo": 3, "repetitions": 9},
         "ci": {"levels": (1, 4), "tokens": 16, "budgets": (16, 64, None), "solo": 1, "repetitions": 3},
