@@ -44,16 +44,21 @@ def _provenance(path: Path) -> str:
 
 
 def durations(data: Path) -> str:
+    """Each notebook with the commit it last ran at: a re-run of one notebook is not a ``make lab``."""
     table = pd.read_csv(data / "durations.csv", dtype={"commit": str})
     table = table[table.profile == "full"]
-    lines = ["| notebook | minutes |", "|---|---|"]
-    lines += [f"| `{r.notebook}` | {r.seconds / 60:.1f} |" for r in table.itertuples() if r.notebook != "total"]
-    total = table[table.notebook == "total"]
-    if not total.empty:
-        row = total.iloc[0]
-        lines.append(f"| **total** | **{row.seconds / 60:.1f}** |")
+    lines = ["| notebook | minutes | commit |", "|---|---|---|"]
+    notebooks = table[table.notebook != "total"]
+    lines += [f"| `{r.notebook}` | {r.seconds / 60:.1f} | {str(r.commit)[:7]} |" for r in notebooks.itertuples()]
+    if not notebooks.empty:
+        lines.append(f"| **total** | **{notebooks.seconds.sum() / 60:.1f}** | |")
         lines.append("")
-        lines.append(f"*Last `make lab`: commit {str(row.commit)[:7]}, {str(row.date)[:10]}.*")
+        commits = notebooks.commit.astype(str).str[:7].unique()
+        when = str(notebooks.date.max())[:10]
+        if len(commits) == 1:
+            lines.append(f"*Last `make lab`: commit {commits[0]}, {when}.*")
+        else:
+            lines.append(f"*Notebooks last run at {len(commits)} commits (column above); the latest run {when}.*")
     return "\n".join(lines) + "\n"
 
 

@@ -27,7 +27,7 @@ def test_a_block_is_replaced_by_its_rendered_table_and_an_unknown_block_is_refus
         ]
     ).to_csv(tmp_path / "durations.csv", index=False)
     out = readme.render("a\n<!-- data: durations -->\nstale 99 min\n<!-- /data -->\nb\n", tmp_path)
-    assert "stale" not in out and "| `01_wire_format` | 1.5 |" in out and "abcdef0" in out
+    assert "stale" not in out and "| `01_wire_format` | 1.5 | abcdef0 |" in out and "Last `make lab`: commit abcdef0" in out
     assert out.startswith("a\n<!-- data: durations -->\n") and out.endswith("<!-- /data -->\nb\n")
     missing = "<!-- data: bench_step -->\nnot yet\n<!-- /data -->\n"
     assert readme.render(missing, tmp_path) == missing  # no data file yet: left as it is
@@ -60,3 +60,14 @@ def test_the_peers_table_puts_each_server_in_a_column_with_the_runs_provenance(t
     out = readme.render("<!-- data: peers -->\n<!-- /data -->\n", tmp_path)
     assert "| | labkit | llama.cpp |" in out and "| tokens/s, 32 streams | 260.0 (250.0–270.0) | 211.0 |" in out
     assert "3 interleaved rounds: commit abcdef0, 2026-12-02, load average 0.25 before" in out
+
+
+def test_notebooks_run_at_different_commits_are_not_called_one_make_lab(tmp_path):
+    rows = [
+        {"notebook": "01_wire_format", "profile": "full", "seconds": 60.0, "commit": "aaaaaaa1", "date": "2026-11-30"},
+        {"notebook": "09_peers", "profile": "full", "seconds": 120.0, "commit": "bbbbbbb2", "date": "2026-12-01"},
+    ]
+    pd.DataFrame(rows).to_csv(tmp_path / "durations.csv", index=False)
+    out = readme.render("<!-- data: durations -->\n<!-- /data -->\n", tmp_path)
+    assert "| `09_peers` | 2.0 | bbbbbbb |" in out and "| **total** | **3.0** | |" in out
+    assert "Last `make lab`" not in out and "2 commits" in out and "2026-12-01" in out
