@@ -72,9 +72,14 @@ bench: $(STAMP)
 # profile, chosen from outside (the kernels inherit LABKIT_PROFILE; the notebooks' parameters
 # cells read it). Only cells marked NBVAL_CHECK_OUTPUT are compared: each experiment's invariants.
 # tests/test_notebooks.py fails if a notebook and its .py source have drifted apart.
+# Two pytest-xdist workers (TEST_WORKERS), each given whole files (--dist loadfile): a notebook's
+# cells run in order in one kernel and a module's fixtures start once. Most of the suite waits on
+# sockets and child processes, so two workers halve the time even on two cores (25 -> 14 min);
+# no test asserts a wall-clock time, only ratios within one run and counts of steps and tokens.
+TEST_WORKERS ?= 2
 test: system-deps $(STAMP) guidellm lint
-	LABKIT_PROFILE=ci $(PY) -m pytest -q tests notebooks --nbval-lax --nbval-current-env \
-		--nbval-cell-timeout=600 --nbval-sanitize-with notebooks/nbval_sanitize.cfg --durations=40
+	LABKIT_PROFILE=ci $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests notebooks --nbval-lax \
+		--nbval-current-env --nbval-cell-timeout=600 --nbval-sanitize-with notebooks/nbval_sanitize.cfg --durations=40
 
 # JupyterLab on this machine only, with the streamlab kernel; the notebooks run the full
 # profile unless started as `LABKIT_PROFILE=ci make jupyter`.
@@ -102,28 +107,21 @@ clean-venv:
 # from Debian when missing and we are root (as on CI); otherwise say what is missing: those
 # experiments' tests and cells then skip, saying why. g++ builds the
 # engine's paged-decode kernel on first use; without it the engine falls back to the gather.
+# Whatever is missing comes in one apt-get (one index update, not one per program).
+WITHOUT := without g++ the engine uses the gather path for decode attention; without nginx, redis-server or \
+	chromium the proxy, resume-store restart and browser tests and cells skip, saying why
 system-deps:
-	@if command -v g++ >/dev/null 2>&1; then :; \
+	@missing=""; \
+	command -v g++ >/dev/null 2>&1 || missing="$$missing g++"; \
+	{ command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx; } || missing="$$missing nginx"; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	{ test -x /usr/bin/chromium && test -x /usr/bin/chromedriver; } || missing="$$missing chromium chromium-driver"; \
+	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++; } \
-			|| echo "apt-get could not install g++: the engine will use the gather path for decode attention"; \
-	else echo "g++ is missing and cannot be installed here (not root, or no apt-get): apt-get install g++"; fi
-	@if command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx; } \
-			|| echo "apt-get could not install nginx: the proxy experiment's tests and cells will skip"; \
-	else echo "nginx is not installed and cannot be installed here (not root, or no apt-get): apt-get install nginx"; fi
-	@if command -v redis-server >/dev/null 2>&1; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; } \
-			|| echo "apt-get could not install redis-server: the resume store's restart tests will skip"; \
-	else echo "redis-server is not installed and cannot be installed here (not root, or no apt-get): apt-get install redis-server"; fi
-	@if test -x /usr/bin/chromium && test -x /usr/bin/chromedriver; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
-			|| echo "apt-get could not install chromium: the browser experiment's tests and cells will skip"; \
-	else echo "chromium or chromedriver is missing and cannot be installed here (not root, or no apt-get):" \
-		"apt-get install chromium chromium-driver"; fi
+		echo "installing from Debian:$$missing"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; } \
+			|| echo "apt-get could not install$$missing: $(WITHOUT)"; \
+	else echo "missing and not installable here (not root, or no apt-get): apt-get install$$missing; $(WITHOUT)"; fi
 
 # The peer server the serving comparison measures labkit against: llama.cpp's llama-server, built
 # once from source into the user's cache ($LABKIT_CACHE or ~/.cache/labkit, under peers/llama.cpp)
