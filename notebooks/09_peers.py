@@ -93,7 +93,9 @@ peers.quirks(lineup)
 # each other budget of the sweep (section 2); and one stream through the engine alone in this
 # process, no HTTP at all (section 3), taking turns with labkit's one stream run by run. A
 # stream of one is over in a second or two, so at one stream each server (and the engine) runs
-# it a few times and keeps the run of median tokens/s (the scale table says how many). One run,
+# it a few times and keeps the run of median tokens/s; labkit and the engine take turns more
+# times than the peers run (`pairs` against `solo` in the scale table), since their verdict asks
+# about a tenth. One run,
 # so every comparison below is between rounds of the same run. Hypotheses, fixed before
 # measuring; the first two are checked by CI:
 #
