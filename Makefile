@@ -74,7 +74,7 @@ bench: $(STAMP)
 # tests/test_notebooks.py fails if a notebook and its .py source have drifted apart.
 # Two pytest-xdist workers (TEST_WORKERS), each given whole files (--dist loadfile): a notebook's
 # cells run in order in one kernel and a module's fixtures start once. Most of the suite waits on
-# sockets and child processes, so two workers halve the time even on two cores (25 -> 14 min);
+# sockets and child processes, so two workers halve the time even on two cores (25 -> 11-13 min);
 # no test asserts a wall-clock time, only ratios within one run and counts of steps and tokens.
 TEST_WORKERS ?= 2
 test: system-deps $(STAMP) guidellm lint

@@ -106,14 +106,15 @@ def measure_load(trial: Trial) -> dict[str, Any] | list[dict[str, Any]]:
     tokens/s kept (a stream of one is over in a second or two, where a passing hiccup of the
     machine moves one reading by a tenth). labkit's one stream takes turns with the engine alone
     in this process, run by run (A B B A …), so the ratio compares readings seconds apart, and
-    ``pairs`` times: its verdict asks about a tenth, which three launches a round left unclear."""
+    ``pairs`` times, more than ``solo``: its verdict asks whether HTTP costs a tenth."""
     s, lineup = trial.sizes, as_lineup(trial.target)
     server = lineup.server(trial.server)
     since = server.current_step() if server.caps.lab else None
     engine = trial.state["engine"] if trial.server == LABKIT and trial.level == 1 else None
     http: list[dict[str, Any]] = []
     alone: list[dict[str, Any]] = []
-    for i in range(1 if trial.level > 1 else s.pairs if engine is not None else s.solo):
+    launches = s.pairs if engine is not None else s.solo if trial.level == 1 else 1
+    for i in range(launches):
         if engine is not None and i % 2 == 1:  # A B, B A, A B: each side first every other time
             alone.append(engine_alone(engine, s.tokens))
         done = server.launch([server.request(p, s.tokens) for p in cycle(trial.level)])
