@@ -5,6 +5,7 @@ import copy
 from dataclasses import dataclass, field
 
 from prompt_lists import ENGINE_PROMPTS
+
 from labkit.engine.config import EngineConfig
 from labkit.engine.engine import BatchEngine
 from labkit.engine.events import Event, FinishEvent, TokenEvent

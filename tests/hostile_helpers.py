@@ -134,7 +134,7 @@ def hostile(behaviour: Behaviour) -> Iterator[str]:
         try:
             await reader.readuntil(b"\r\n\r\n")
             await asyncio.wait_for(behaviour(writer), 120)
-        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, asyncio.LimitOverrunError):
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass
         finally:
             writer.close()

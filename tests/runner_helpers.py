@@ -9,8 +9,8 @@ import random
 from collections.abc import Sequence
 
 import torch
-
 from prompt_lists import RUNNER_PROMPTS
+
 from labkit.engine.runner import ModelRunner
 from labkit.models import LoadedModel
 

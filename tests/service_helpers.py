@@ -13,16 +13,17 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import h11
 import httpx
 import httpx_sse
-
 from prompt_lists import SERVICE_PROMPTS
+
 from labkit.engine.events import FinishEvent, TokenEvent, Usage
 from labkit.hub import Hub, HubConfig
 from labkit.hub.stream import Item, Stream

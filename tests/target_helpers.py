@@ -80,7 +80,7 @@ async def _completions(request: Request) -> Response:
                              "usage": {"prompt_tokens": 4, "completion_tokens": made, "total_tokens": 4 + made}})
 
     async def chunks() -> Any:
-        for i in range(made):
+        for _ in range(made):
             await asyncio.sleep(0.002)
             yield _chunk("tok ", None)
         yield _chunk("", finish)  # and then nothing: no usage, no [DONE]

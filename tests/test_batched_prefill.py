@@ -6,10 +6,10 @@ import random
 
 import pytest
 import torch
-
 from engine_helpers import PROMPTS, drain, make_engine
-from labkit.models import LoadedModel
 from runner_helpers import make_runner, shuffled_tables
+
+from labkit.models import LoadedModel
 
 
 def _random_prompts(count: int, seed: int, vocab: int) -> list[list[int]]:

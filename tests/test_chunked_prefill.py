@@ -9,13 +9,13 @@ import random
 
 import pytest
 import torch
-
 from engine_helpers import assert_all_released, collect, drain, make_engine
+from runner_helpers import make_runner, shuffled_tables
+
 from labkit.engine.config import DEFAULT_STEP_TOKENS, EngineConfig
 from labkit.engine.events import TokenEvent
 from labkit.engine.runner import Chunk
 from labkit.models import LoadedModel
-from runner_helpers import make_runner, shuffled_tables
 
 CHUNK_SIZES = [1, 7, 64, DEFAULT_STEP_TOKENS]
 BUDGETS = [1, 7, 64, DEFAULT_STEP_TOKENS, None]

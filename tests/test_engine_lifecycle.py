@@ -2,8 +2,8 @@
 import threading
 
 import pytest
-
 from engine_helpers import PROMPTS, Outcome, assert_all_released, collect, drain, make_engine, solo, with_eos
+
 from labkit.errors import DoubleFree
 
 

@@ -1,7 +1,6 @@
 """The engine's greedy output equals transformers' own greedy generate, token for token."""
 import pytest
 import torch
-
 from engine_helpers import PROMPTS, drain, make_engine
 
 

@@ -2,8 +2,8 @@
 import threading
 
 import pytest
-
 from engine_helpers import PROMPTS, collect, drain, make_engine
+
 from labkit.engine.config import EngineConfig
 from labkit.errors import EmptyPrompt, InvalidRequest, PromptTooLong, QueueFull
 

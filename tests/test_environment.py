@@ -6,9 +6,8 @@ easily forgotten in the other; conda users would then meet an ImportError in a n
 from __future__ import annotations
 
 import re
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -45,7 +44,7 @@ def environment_pip(text: str) -> list[str]:
 def disagreements(environment_text: str) -> list[str]:
     """What a conda user would get differently from `pip install -e .[lab,dev]`; [] when none."""
     lines = environment_pip(environment_text)
-    packages = _by_name([l for l in lines if not l.startswith("-")])
+    packages = _by_name([line for line in lines if not line.startswith("-")])
     wanted = pyproject_requirements()
     problems = [f"missing from environment.yml: {wanted[n]}" for n in sorted(set(wanted) - set(packages))]
     problems += [f"pinned differently: pyproject {wanted[n]!r}, environment.yml {packages[n]!r}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runner_helpers import make_runner, shuffled_tables
 
 from labkit.engine.config import EngineConfig
 from labkit.engine.engine import BatchEngine
@@ -18,7 +19,6 @@ from labkit.engine.kernels import KernelUnavailable, fixed_matmul_kernel
 from labkit.engine.layers import Tiling, linear
 from labkit.engine.matmul import PANEL, FixedOrder, PackedWeight, choose_matmul, fixed_matmul
 from labkit.models import LoadedModel
-from runner_helpers import make_runner, shuffled_tables
 
 CPU = torch.device("cpu")
 # in x out: whole panels, a ragged last panel, narrower than one panel, one column, and widths whose

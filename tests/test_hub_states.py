@@ -8,11 +8,10 @@ import asyncio
 import itertools
 
 import pytest
+from service_helpers import TIMEOUT, FakeEngine, eventually, read_all, run, running_hub
 
 from labkit.engine.events import FinishEvent
-from labkit.hub import (TRANSITIONS, IllegalTransition, Stream, StreamClosed, StreamError, StreamRecord,
-                        StreamState)
-from service_helpers import TIMEOUT, FakeEngine, eventually, read_all, run, running_hub
+from labkit.hub import TRANSITIONS, IllegalTransition, Stream, StreamClosed, StreamError, StreamRecord, StreamState
 
 Q, R, P, E, C = (StreamState.QUEUED, StreamState.RUNNING, StreamState.PAUSED, StreamState.ENDING,
                  StreamState.CLOSED)

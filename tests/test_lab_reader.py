@@ -198,7 +198,7 @@ def test_connecting_is_bounded_by_the_read_timeout_too():
             s.connect_ex(listener.getsockname())
             fillers.append(s)
         start = time.perf_counter()
-        r = run_sync(read("http://127.0.0.1:%d" % listener.getsockname()[1], SHORT, ReadOptions(timeout=0.5), raw=True))
+        r = run_sync(read(f"http://127.0.0.1:{listener.getsockname()[1]}", SHORT, ReadOptions(timeout=0.5), raw=True))
         assert time.perf_counter() - start < 5 and r.error
     finally:
         for s in fillers:

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from runner_helpers import make_runner, shuffled_tables
 
 import labkit.engine.runner as runner_module
 from labkit.engine.layers import Tiling, linear, probe_chunk_rows
 from labkit.models import LoadedModel
-from runner_helpers import make_runner, shuffled_tables
 
 
 def _solo(x: torch.Tensor, weight: torch.Tensor, tiling: Tiling) -> torch.Tensor:

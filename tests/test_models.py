@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from runner_helpers import PROMPTS, encode, hf_greedy
 
 from labkit.errors import UnknownModel
 from labkit.models import LoadedModel, UnsupportedArchitecture, WeightsNotCached, known_models, load_model
 from labkit.models.cache_dir import cached_folder, labkit_cache_dir
 from labkit.models.tokenizers import gpt2_tokenizer, smollm2_tokenizer
-from runner_helpers import PROMPTS, encode, hf_greedy
 
 
 def _assert_frozen(loaded: LoadedModel) -> None:

@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from runner_helpers import PROMPTS, encode, make_runner, runner_greedy, shuffled_tables
 
 from labkit.engine.attention import PagedTables, choose_attention, decode_attention, paged_decode, plan_decode
 from labkit.engine.config import EngineConfig
@@ -21,7 +22,6 @@ from labkit.engine.engine import BatchEngine
 from labkit.engine.events import TokenEvent
 from labkit.engine.kernels import KernelUnavailable, cache_dir, paged_decode_kernel
 from labkit.models import LoadedModel
-from runner_helpers import PROMPTS, encode, make_runner, runner_greedy, shuffled_tables
 
 CPU = torch.device("cpu")
 LENGTHS = [1, 2, 15, 16, 17, 63, 64, 65, 128, 129, 200]

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runner_helpers import make_runner, shuffled_tables
 
 from labkit.engine.config import EngineConfig
 from labkit.engine.engine import BatchEngine
-from labkit.engine.layers import RopeTable, rms_norm as torch_rms_norm, rotate
+from labkit.engine.layers import RopeTable, rotate
+from labkit.engine.layers import rms_norm as torch_rms_norm
 from labkit.engine.rowwise import argmax_rows, kv_write, rms_norm, rope, silu_mul
 from labkit.models import LoadedModel
-from runner_helpers import make_runner, shuffled_tables
 
 
 def _threads(n: int):
@@ -254,10 +255,9 @@ def test_the_native_argmax_picks_what_torch_argmax_picks() -> None:
 def test_the_sampler_takes_the_native_argmax_for_greedy_rows(
     tiny_llama: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import labkit.engine.sampling as sampling
     from labkit.engine.sampling import Sampler
     from labkit.engine.sequence import SamplingParams, Sequence
-
-    import labkit.engine.sampling as sampling
 
     calls: list[int] = []
 

@@ -9,12 +9,20 @@ import random
 
 import pytest
 import torch
+from runner_helpers import (
+    PROMPTS,
+    cut_at_eos,
+    encode,
+    hf_greedy,
+    hf_logits,
+    make_runner,
+    runner_greedy,
+    shuffled_tables,
+)
 
 from labkit.engine.attention import attend_width
 from labkit.errors import UnknownModel
 from labkit.models import LoadedModel
-from runner_helpers import (PROMPTS, cut_at_eos, encode, hf_greedy, hf_logits, make_runner, runner_greedy,
-                            shuffled_tables)
 
 ATOL = 1e-4
 

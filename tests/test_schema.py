@@ -4,13 +4,18 @@ from __future__ import annotations
 import json
 
 import pytest
+from wire_helpers import byte_by_byte, run_parser
 
 from labkit.schema import (
-    ERROR_TYPES, StreamEncoder, decode_event, done_payload, error_envelope, start_payload,
+    ERROR_TYPES,
+    StreamEncoder,
+    decode_event,
+    done_payload,
+    error_envelope,
+    start_payload,
     token_payload,
 )
 from labkit.sse import ParsedEvent, parse
-from wire_helpers import byte_by_byte, run_parser
 
 
 def full_stream(enc: StreamEncoder) -> bytes:

@@ -9,11 +9,11 @@ from typing import Any
 
 import httpx
 import pytest
+from service_helpers import TIMEOUT, RawClient, lab_server, sse_post, wait_until
 
 from labkit.server import add_serve_arguments, config_from_args
 from labkit.service.auth import InvalidToken, mint_token, verify_token
 from labkit.service.config import ServiceConfig
-from service_helpers import TIMEOUT, RawClient, lab_server, sse_post, wait_until
 
 SECRET = "a-lab-secret-of-32-characters-ok"
 BODY = {"prompt": "Once upon a time,", "max_new_tokens": 8}

@@ -19,7 +19,6 @@ import time
 from typing import Any
 
 import httpx
-import pytest
 from service_helpers import TIMEOUT, RawClient, lab_server, wait_until
 
 
@@ -40,7 +39,7 @@ def read_until_closed(sock: socket.socket) -> bytes:
             chunk = sock.recv(65536)
         except ConnectionResetError:
             return bytes(data)
-        except socket.timeout:
+        except TimeoutError:
             raise AssertionError(f"the server kept the connection open for {TIMEOUT} s") from None
         if not chunk:
             return bytes(data)

@@ -15,11 +15,11 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
-from labkit.service.config import ServiceConfig
-from labkit.engine.events import StepRecord
-from labkit.service.deadline import MAX_DEADLINE_S, step_seconds, steps_to_finish
 from service_helpers import TIMEOUT, RawClient, lab_server, occupy_a_slot, wait_until
+
+from labkit.engine.events import StepRecord
+from labkit.service.config import ServiceConfig
+from labkit.service.deadline import MAX_DEADLINE_S, step_seconds, steps_to_finish
 
 ROUTES = [
     ("/v1/stream", {"prompt": "Hi", "max_new_tokens": 4}),

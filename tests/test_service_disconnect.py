@@ -6,7 +6,6 @@ import random
 from typing import Any
 
 import pytest
-
 from service_helpers import RawClient, lab_server, occupy_a_slot, wait_until
 
 MAX_NEW = 400  # far more than a client reads before it leaves; tiny-gpt2's context is 512

@@ -8,10 +8,10 @@ from typing import Any
 
 import httpx
 import pytest
+from service_helpers import TIMEOUT, RawClient, lab_server, wait_until
 
 from labkit.service.config import ServiceConfig
 from labkit.sse import SSEParser
-from service_helpers import TIMEOUT, RawClient, lab_server, wait_until
 
 BODY = {"prompt": "Once upon a time,", "max_new_tokens": 48}
 GZIP = {"Accept-Encoding": "gzip"}

@@ -6,7 +6,6 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-
 from service_helpers import TIMEOUT, RawClient, lab_server, sse_post, wait_until
 
 

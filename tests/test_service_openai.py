@@ -1,13 +1,13 @@
 """The official ``openai`` client, unchanged, against /v1/completions and /v1/chat/completions."""
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import httpx_sse
 import openai
 import pytest
-
 from service_helpers import TIMEOUT
 
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 import pytest
+from service_helpers import TIMEOUT, RawClient, lab_server, occupy_a_slot, wait_until
 
 from labkit.hub import POLICIES
-from service_helpers import TIMEOUT, RawClient, lab_server, occupy_a_slot, wait_until
 
 PAD = 64 * 1024
 MAX_NEW = 128

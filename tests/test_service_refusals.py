@@ -7,11 +7,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from service_helpers import TIMEOUT, RawClient, lab_server, occupy_a_slot
 
 from labkit.schema import MAX_MESSAGE_CHARS, clip
 from labkit.service.errors import as_service_error
 from labkit.service.intake import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_STRINGS
-from service_helpers import TIMEOUT, RawClient, lab_server, occupy_a_slot
 
 BAD_BODIES = [
     pytest.param(b'{"prompt": "x",', "invalid_request", id="bad-json"),
@@ -243,5 +243,7 @@ def test_a_temperature_or_top_p_that_float32_rounds_to_zero_is_served_greedily(
         greedy = client.post(path, json={**body, "temperature": 0})
     assert tiny.status_code == 200, tiny.text
     assert tiny.json()["usage"] == greedy.json()["usage"]
-    text = (lambda r: r.json()["text"] if path == "/v1/generate" else r.json()["choices"][0]["text"])
+    def text(r: httpx.Response) -> str:
+        return r.json()["text"] if path == "/v1/generate" else r.json()["choices"][0]["text"]
+
     assert text(tiny) == text(greedy)

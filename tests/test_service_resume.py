@@ -8,7 +8,6 @@ from typing import Any
 import httpx
 import httpx_sse
 import pytest
-
 from service_helpers import TIMEOUT, RawClient, decode_event_sse, lab_server, sse_post, tokens_of, wait_until
 
 BODY = {"prompt": "Once upon a time,", "max_new_tokens": 24, "resumable": True}

@@ -16,13 +16,13 @@ from typing import Any
 
 import httpx
 import pytest
+from service_helpers import TIMEOUT, RawClient, lab_server, tokens_of
 
 from labkit.schema import StreamEncoder
 from labkit.server import local_redis
 from labkit.service.frames import Frame
 from labkit.service.resume_redis import LEASE_S, PREFIX, RedisStore, store_cost
 from labkit.service.resume_store import LOST_MESSAGE, StoredLog, same_digest, token_digest
-from service_helpers import TIMEOUT, RawClient, lab_server, tokens_of
 
 BODY = {"prompt": "Once upon a time,", "max_new_tokens": 30, "resumable": True}
 NO_REDIS = shutil.which("redis-server") is None

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from service_helpers import TIMEOUT, RawClient, healthy, lab_server, wait_until
 
 from labkit.server import add_serve_arguments, config_from_args
 from labkit.service.config import ServiceConfig, leaves
-from service_helpers import RawClient, TIMEOUT, healthy, lab_server, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from service_helpers import RawClient, TIMEOUT, healthy, lab_server, occupy_a_slot, wait_until
+from service_helpers import TIMEOUT, RawClient, healthy, lab_server, occupy_a_slot, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,10 +7,19 @@ from typing import Any
 import httpx
 import httpx_sse
 import pytest
-
 from engine_helpers import with_eos
-from service_helpers import (PROMPTS, TIMEOUT, RawClient, decode_event_sse, lab_server, occupy_a_slot, sse_post,
-                             text_of, tokens_of, wait_until)
+from service_helpers import (
+    PROMPTS,
+    TIMEOUT,
+    RawClient,
+    decode_event_sse,
+    lab_server,
+    occupy_a_slot,
+    sse_post,
+    text_of,
+    tokens_of,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from service_helpers import TIMEOUT, RawClient, lab_server, wait_until
 
 TOKENS = 40  # AnyIO's default limiter (CapacityLimiter(40) per event loop); the test checks it is so

@@ -21,10 +21,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from wire_helpers import as_tuples, byte_by_byte, httpx_sse_events, run_parser, split_at
 
 from labkit.experiments.wire_cases import httpx_sse
 from labkit.sse import ParsedEvent, ServerSentEvent, SSEParser, parse
-from wire_helpers import as_tuples, byte_by_byte, httpx_sse_events, run_parser, split_at
 
 # --------------------------------------------------------------------------- agreement
 

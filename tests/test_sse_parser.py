@@ -5,9 +5,9 @@ import random
 import time
 
 import pytest
+from wire_helpers import byte_by_byte, parser_outcome, run_parser, split_at
 
 from labkit.sse import ParsedEvent, SSEParser, parse
-from wire_helpers import byte_by_byte, parser_outcome, run_parser, split_at
 
 
 def datas(stream: bytes) -> list[str]:

@@ -5,9 +5,9 @@ import re
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from wire_helpers import byte_by_byte, parser_outcome, split_at
 
 from labkit.sse import ParsedEvent, ServerSentEvent
-from wire_helpers import byte_by_byte, parser_outcome, split_at
 
 PROPERTY_SETTINGS = settings(max_examples=200, deadline=None)
 
