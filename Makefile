@@ -134,7 +134,8 @@ peers: $(STAMP)
 	else echo "cmake is missing and cannot be installed here (not root, or no apt-get): apt-get install cmake"; exit 1; fi
 	$(PY) -m labkit.peers
 
-# labkit's code: ruff (lint and format) and mypy, as configured in pyproject.toml; the tests get the lint too. Part of make test.
+# labkit's code: ruff (lint and format) and mypy, as configured in pyproject.toml; tests/ gets
+# ruff's lint too. Part of make test.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check labkit tests
 	$(VENV)/bin/ruff format --check labkit
