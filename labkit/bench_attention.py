@@ -68,7 +68,6 @@ def bench_runner(cfg: AttentionBench, loaded: LoadedModel, min_blocks: int = 0) 
 def measure_attention(
     cfg: AttentionBench = AttentionBench(),
     loaded: LoadedModel | None = None,
-    progress: Callable[[dict], None] | None = None,
     runner: ModelRunner | None = None,
 ) -> pd.DataFrame:
     """One row per measurement: rep, context, batch, mode, attention_ms, step_ms, copied_MiB.
@@ -103,8 +102,6 @@ def measure_attention(
                     row = {"rep": rep, "context": ctx, "batch": batch, "mode": mode}
                     row.update(_one_cell(runner, cfg, ctx, tables, tokens, q))
                     rows.append(row)
-                    if progress is not None:
-                        progress(row)
     return pd.DataFrame(rows)
 
 

@@ -66,9 +66,6 @@ class BlockManager:
     def table(self, owner: Hashable) -> list[int]:
         return self._tables[owner]
 
-    def owners(self) -> set[Hashable]:
-        return set(self._tables)
-
     def check_integrity(self, live_owners: AbstractSet[Hashable]) -> None:
         """Free and held blocks partition the pool; every holder is a live sequence, and vice versa."""
         held = [b for table in self._tables.values() for b in table]

@@ -8,7 +8,7 @@ verdicts and figures the cells below show without measuring again.
 
 from labkit.lab.client import Launch, Request, run_sync
 from labkit.lab.experiment import Experiment, Sizes, Trial
-from labkit.lab.notebook import settings_table, setup, target_for
+from labkit.lab.notebook import setup, target_for
 from labkit.lab.probe import connect, quirks_table
 from labkit.lab.profiles import Profile, get_profile
 from labkit.lab.runner import Result, load, run
@@ -19,6 +19,6 @@ from labkit.lab.verdict import Interval, Verdict, every, interval, judge, seen, 
 __all__ = [
     "Caps", "Experiment", "Interval", "Launch", "LocalLab", "NotMeasurable", "Process", "Profile", "ReadOptions",
     "Request", "Result", "Sizes", "Stream", "Target", "TargetError", "Trial", "Verdict", "connect", "get_profile",
-    "every", "interval", "judge", "load", "seen", "quirks_table", "run", "run_sync", "settings_table", "setup", "span", "spread",
+    "every", "interval", "judge", "load", "seen", "quirks_table", "run", "run_sync", "setup", "span", "spread",
     "target_for", "tell", "verdict_table",
 ]  # fmt: skip

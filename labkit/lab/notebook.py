@@ -21,7 +21,7 @@ from labkit.lab.runner import use_profile
 from labkit.lab.target import LocalLab, Target
 from labkit.machine import describe, pin_threads
 
-__all__ = ["setup", "target_for", "settings_table", "record_durations", "read_durations"]
+__all__ = ["setup", "target_for", "record_durations", "read_durations"]
 
 SCALE = {"full": "the chapter's sizes (each measurement's scale table says where not, and why)", "ci": "a test run"}
 DURATION_COLUMNS = ["notebook", "profile", "seconds", "commit", "date"]
@@ -76,10 +76,6 @@ def target_for(profile: Profile, url: str = "", *, device: str = "cpu", **settin
 
         return connect(url, model=profile.model if profile.model not in ("tiny-gpt2", "smollm2-135m") else None)
     return LocalLab(profile.model, device=device, **settings)
-
-
-def settings_table(settings: dict[str, Any]) -> pd.DataFrame:
-    return pd.DataFrame({"value": {k: str(v) for k, v in settings.items()}}).rename_axis("setting")
 
 
 def _shown(path: Path) -> str:

@@ -84,7 +84,6 @@ Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] 
 # but leaves them out of the JSON schema (it writes "ge" where JSON Schema says "minimum").
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]  # a JSON number: no "0.5", no true
 NoFraction = BeforeValidator(_integer)
-Integer = Annotated[int, NoFraction]
 Count = Annotated[int, Field(ge=1), NoFraction]
 TokenId = Annotated[int, Field(ge=0), NoFraction]
 MAX_PROMPT_IDS = 1 << 17  # token ids in one prompt: more than any context the lab serves

@@ -162,26 +162,21 @@ def decide(
     return kernel, "auto: kernel available" + notes
 
 
-def paged_decode_kernel(cxx: str | None = None) -> Kernel:
+def paged_decode_kernel() -> Kernel:
     """The compiled attention kernel, built once per machine and loaded once per process; raises
     ``KernelUnavailable`` (with the compiler's reason) when it cannot be had."""
-    return _kernel(SOURCE, _options(cxx))
+    return _kernel(SOURCE, BuildOptions.from_env())
 
 
-def fixed_matmul_kernel(cxx: str | None = None) -> Kernel:
+def fixed_matmul_kernel() -> Kernel:
     """The compiled fixed-order matmul (``fixed_matmul.cpp``), as ``paged_decode_kernel``."""
-    return _kernel(MATMUL_SOURCE, _options(cxx))
+    return _kernel(MATMUL_SOURCE, BuildOptions.from_env())
 
 
-def rowwise_kernel(cxx: str | None = None) -> Kernel:
+def rowwise_kernel() -> Kernel:
     """The compiled row-wise ops (``rowwise.cpp``: RMSNorm, rotary positions, the K/V write, the MLP
     gate, the argmax), as ``paged_decode_kernel``; ``entries`` holds them by name."""
-    return _kernel(ROWWISE_SOURCE, _options(cxx))
-
-
-def _options(cxx: str | None) -> BuildOptions:
-    options = BuildOptions.from_env()
-    return BuildOptions(cxx, options.march) if cxx else options
+    return _kernel(ROWWISE_SOURCE, BuildOptions.from_env())
 
 
 # -- the report ------------------------------------------------------------------------------------
