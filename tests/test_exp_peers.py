@@ -20,6 +20,11 @@ CI = Profile("ci")
 def verdicts(spec: Any, rows: list[dict[str, Any]], **sizes: Any) -> dict[str, tuple[str, str]]:
     s = spec.sizes_for("ci", **sizes)
     tables = {"rows": pd.DataFrame(rows)}
+    http = {r["repetition"]: r["tokens_per_s"] for r in rows if r["server"] == peers.LABKIT and r.get("level") == 1}
+    alone = [r for r in rows if r["server"] == peers.ENGINE]
+    if alone:  # labkit's one stream and the engine alone: a pair a round, as measure_load keeps them
+        tables["pairs"] = pd.DataFrame([{"repetition": r["repetition"], "http_tokens_per_s": http[r["repetition"]],
+                                         "alone_tokens_per_s": r["tokens_per_s"]} for r in alone])  # fmt: skip
     return {v.name: (v.outcome, v.evidence) for v in spec.verdicts({**tables, **spec.tables(tables, s)}, s)}
 
 
@@ -135,6 +140,22 @@ def test_load_verdicts_hold_when_labkit_leads_on_every_target() -> None:
                  "throughput: ahead of both", "one stream: HTTP costs little"):  # fmt: skip
         assert got[name][0] == "holds", (name, got[name])
     assert "beside it, labkit/llama.cpp tokens/s" in got["one stream: HTTP costs little"][1]
+    assert "labkit/engine alone tokens/s, 6 pairs in 6 rounds" in got["one stream: HTTP costs little"][1]
+
+
+def test_the_one_stream_verdict_pools_every_pair_and_is_unclear_without_the_engine() -> None:
+    rows = load_rows()
+    pairs = pd.DataFrame([{"repetition": rep, "http_tokens_per_s": 40.0 + i, "alone_tokens_per_s": 42.0 + i}
+                          for rep in range(3) for i in range(4)])  # fmt: skip
+    s = peers.LOAD.sizes_for("ci")
+    tables = {"rows": pd.DataFrame(rows), "pairs": pairs}
+    got = {v.name: v for v in peers.LOAD.verdicts({**tables, **peers.LOAD.tables(tables, s)}, s)}
+    one = got["one stream: HTTP costs little"]
+    assert one.outcome == "holds" and "12 pairs in 3 rounds" in one.evidence  # three rounds, yet twelve pairs: an interval
+    tables = {"rows": pd.DataFrame([r for r in rows if r["server"] != peers.ENGINE])}
+    got = {v.name: v for v in peers.LOAD.verdicts({**tables, **peers.LOAD.tables(tables, s)}, s)}
+    assert got["one stream: HTTP costs little"].outcome == "unclear"
+    assert got["one stream: HTTP costs little"].evidence.startswith("engine alone: not measured")
 
 
 def test_load_verdicts_fail_when_labkit_is_slower_gappier_or_out_of_budget() -> None:

@@ -105,8 +105,9 @@ def measure_load(trial: Trial) -> dict[str, Any] | list[dict[str, Any]]:
     """One launch of ``level`` streams; at one stream ``solo`` launches in a row, the one of median
     tokens/s kept (a stream of one is over in a second or two, where a passing hiccup of the
     machine moves one reading by a tenth). labkit's one stream takes turns with the engine alone
-    in this process, run by run (A B B A …), so the ratio compares readings seconds apart, and
-    ``pairs`` times, more than ``solo``: its verdict asks whether HTTP costs a tenth."""
+    in this process, run by run (A B B A …), ``pairs`` times, each pair kept (``pairs`` table):
+    its verdict asks whether HTTP costs a tenth, so it pools the pairs of every round, readings
+    seconds apart, rather than one median a round."""
     s, lineup = trial.sizes, as_lineup(trial.target)
     server = lineup.server(trial.server)
     since = server.current_step() if server.caps.lab else None
@@ -123,6 +124,9 @@ def measure_load(trial: Trial) -> dict[str, Any] | list[dict[str, Any]]:
         if engine is not None and i % 2 == 0:
             alone.append(engine_alone(engine, s.tokens))
     row = _median(http)
+    if alone:
+        trial.keep("pairs", [{"http_tokens_per_s": h["tokens_per_s"], "alone_tokens_per_s": a["tokens_per_s"]}
+                             for h, a in zip(http, alone)])  # fmt: skip
     if trial.server in lineup.budgets:
         budgets = lineup.budgets[trial.server]
         row["budget"] = label(budgets)
@@ -194,7 +198,7 @@ def load_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
     rows, top = t["rows"], max(s.levels)
     short = {n: f"{int(g.whole.sum())}/{int(g.streams.sum())}" for n, g in rows.groupby("server", sort=False)}
     budgets = [b for b in s.budgets if labkit_name(b) in set(rows.server)]
-    one = ratio(rows, LABKIT, ENGINE, "tokens_per_s", 1, 0.9, "above")
+    one = _one_stream(t.get("pairs"))
     out = [
         judge("every stream whole", "every stream of every server ends with its own end, at the length asked for",
               "any stream failed or came short", bool((rows.whole == rows.streams).all()),
@@ -230,6 +234,15 @@ def load_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
                          "same budget without the surge budget)", "the 95% interval of the ratio lies above 1",
                          *ratio(rows, LABKIT, plain, "ttft_p99_s", top, 1.0, "below")))  # fmt: skip
     return out
+
+
+def _one_stream(pairs: pd.DataFrame | None) -> tuple:
+    """labkit's one stream over the engine alone, pair by pair over every round."""
+    if pairs is None or pairs.empty:
+        return None, f"{ENGINE}: not measured"
+    decided, text = tell(interval(pairs.http_tokens_per_s.to_numpy(), others=pairs.alone_tokens_per_s.to_numpy()),
+                         0.9, "above")  # fmt: skip
+    return decided, f"{LABKIT}/{ENGINE} tokens/s, {len(pairs)} pairs in {pairs.repetition.nunique()} rounds: {text}"
 
 
 def _own_gaps(rows: pd.DataFrame, top: int) -> tuple:
@@ -278,14 +291,15 @@ LOAD = Experiment(
     name="peers.load",
     title="Streams at once on labkit, llama.cpp and transformers serve; labkit's budgets; the engine alone",
     # nine rounds: the 95% interval of a median of nine leaves out the lowest and the highest round
-    # (of six it keeps both), so one disturbed round no longer sets an end of a ratio's interval
+    # (of six it keeps both), so one disturbed round no longer sets an end of a ratio's interval;
+    # the one-stream verdict pools its pairs (36 of them), so four a round are enough
     sizes={
         "full": {
             "levels": (1, 8, 32),
             "tokens": 64,
             "budgets": (16, 64, 256, None),
             "solo": 3,
-            "pairs": 9,
+            "pairs": 4,
             "repetitions": 9,
         },
         "ci": {"levels": (1, 4), "tokens": 16, "budgets": (16, 64, None), "solo": 1, "pairs": 1, "repetitions": 3},
