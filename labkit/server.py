@@ -33,10 +33,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
-from labkit.engine.config import _DTYPES as DTYPES
+from labkit.engine.config import DTYPES
 from labkit.hub import DELIVERY_MODES, POLICIES, Hub
 from labkit.service.config import HttpConfig, ServiceConfig, leaves
 from labkit.service.connections import guarded_protocol
+from labkit.service.metrics import record_freeze
 
 __all__ = [
     "ServiceConfig",
@@ -341,7 +342,9 @@ def freeze_heap() -> int:
     its own."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
+    frozen = gc.get_freeze_count()
+    record_freeze(frozen)
+    return frozen
 
 
 def serve_from_args(args: argparse.Namespace) -> None:

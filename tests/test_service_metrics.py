@@ -37,7 +37,7 @@ def test_metrics_count_streams_tokens_and_finishes(tiny_gpt2: Any) -> None:
     assert ("python_gc_frozen_objects", ()) in metrics
 
 
-def test_freezing_the_heap_collects_its_garbage_first_and_keeps_collecting_what_comes_after() -> None:
+def test_freezing_the_heap_collects_its_garbage_first_keeps_collecting_after_and_a_scrape_never_recounts_it() -> None:
     """In a process of its own: a freeze is for the whole interpreter, and this one is the tests'."""
     import subprocess
     import sys
@@ -56,6 +56,16 @@ def test_freezing_the_heap_collects_its_garbage_first_and_keeps_collecting_what_
         after = cycle()
         gc.collect()
         assert after() is None  # made after the freeze: collected as ever
+        from types import SimpleNamespace as NS
+        from labkit.service.metrics import StateCollector
+        def walk():
+            raise AssertionError("a scrape walked the frozen list (about 33 ms on the event loop)")
+        gc.get_freeze_count = walk
+        hub = NS(queued_events=0, dropped={})
+        stats = NS(open_streams=0, waiting=0, running=0, paused=0, held_blocks=0, total_blocks=8, finishes={},
+                   stream_ends={}, late_events=0, hub=hub)
+        gauges = {m.name: m.samples[0].value for m in StateCollector(lambda: stats).collect() if m.samples}
+        assert gauges["python_gc_frozen_objects"] == frozen, gauges
         print("ok")
     """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

@@ -9,7 +9,6 @@ no second set of books to drift from the first.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -63,6 +62,16 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+_FROZEN = [0]
+
+
+def record_freeze(count: int) -> None:
+    """The count :func:`labkit.server.freeze_heap` froze, for the gauge: ``gc.get_freeze_count()``
+    walks the frozen list (about 33 ms for SmolLM2's 400,000 objects), and a scrape runs on the
+    event loop, where that walk would stall every stream once per scrape."""
+    _FROZEN[0] = count
+
+
 class StateCollector(Collector):
     """Reads the server's stats snapshot at scrape time."""
 
@@ -73,7 +82,7 @@ class StateCollector(Collector):
         stats = self.read()
         yield _gauge("labkit_open_streams", "Streams registered in the hub.", stats.open_streams)
         yield _gauge("python_gc_frozen_objects", "Objects the collector skips (labkit serve's startup heap).",
-                     gc.get_freeze_count())  # fmt: skip
+                     _FROZEN[0])  # fmt: skip
         yield _gauge("labkit_queue_depth", "Requests waiting for a batch slot.", stats.waiting)
         yield _gauge("labkit_running_requests", "Requests in the decode batch.", stats.running)
         yield _gauge("labkit_paused_requests", "Requests paused for a slow reader.", stats.paused)
