@@ -201,8 +201,8 @@ def test_chat_content_parts_are_bounded_in_all(tiny_gpt2: Any) -> None:
 
 def test_a_large_body_is_parsed_and_validated_off_the_event_loop(tiny_gpt2: Any,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """The thread that parsed each body, seen by a spy: a large one in a worker thread (the loop's
-    thread is labkit-uvicorn), a small one not at all (in place, by FastAPI)."""
+    """The thread that parsed each body, seen by a spy: a large one in a worker thread, a small one
+    in place, on the loop's thread (labkit-uvicorn)."""
     from labkit.service import intake
 
     parsed_in: list[str] = []
@@ -220,7 +220,7 @@ def test_a_large_body_is_parsed_and_validated_off_the_event_loop(tiny_gpt2: Any,
         assert post_json(server, "/v1/chat/completions", chat_with_parts(1, 1)).status_code == 200
         bad = post_json(server, "/v1/chat/completions", large[:-1])  # a JSON error, found in the thread
         assert bad.status_code == 422 and bad.json()["error"]["message"].startswith("invalid JSON"), bad.text
-    assert parsed_in == ["labkit-tokenize"] * 2, parsed_in
+    assert parsed_in == ["labkit-tokenize", "labkit-uvicorn", "labkit-tokenize"], parsed_in
 
 
 def loop_cpu(server: Any) -> float:
@@ -262,3 +262,38 @@ def test_a_large_body_is_refused_as_a_small_one_would_be(server: Any, make: Any)
     small, large = (post_json(server, "/v1/chat/completions", make(b"x" * n)) for n in (8, INLINE_BODY_BYTES))
     assert small.status_code == large.status_code == 422
     assert small.json() == large.json()
+
+
+@pytest.mark.parametrize("body, said", [
+    (b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deeply"),
+    (b'{"messages": [], "max_tokens": ' + b"9" * 5000 + b"}", "a number with too many digits"),
+], ids=["nested", "digits"])
+def test_json_past_what_the_parser_takes_is_refused_by_name_in_place_or_in_a_thread(
+        server: Any, body: bytes, said: str) -> None:
+    """JSON the parser gives up on (a RecursionError, int's digit limit) was a 500 with a traceback
+    in the log when large and "not JSON text in UTF-8" when small; now one 422 naming it."""
+    from labkit.service.intake import INLINE_BODY_BYTES
+
+    for data in (body, b" " * INLINE_BODY_BYTES + body):  # the same JSON, in place and in the worker thread
+        refused = post_json(server, "/v1/chat/completions", data)
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["error"]["type"] == "invalid_request"
+        assert refused.json()["error"]["message"] == f"invalid JSON: {said}"
+
+
+def test_a_client_gone_before_its_body_is_whole_is_no_server_error(server: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A head promising 4,096 bytes, 10 sent, then the socket closed: Starlette's ClientDisconnect
+    was answered as a 500 and logged as "Exception in ASGI application"; the server now logs no
+    error and goes on answering."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(server.url)
+    with caplog.at_level("ERROR"):
+        for _ in range(3):
+            with socket.create_connection((where.hostname, where.port), timeout=TIMEOUT) as sock:
+                sock.sendall(b"POST /v1/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 4096\r\n\r\n" + b'{"prompt":')
+        time.sleep(0.5)  # the server reads the close; a bounded wait for a log line that must not come
+        assert post_json(server, "/v1/stream", b'{"prompt": "Hi", "max_new_tokens": 2}').status_code == 200
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]

@@ -41,6 +41,7 @@ from fastapi.routing import APIRoute
 from pydantic import AfterValidator, BeforeValidator, Field, Strict, StrictStr
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from labkit.errors import InvalidRequest, PromptTooLong
 
@@ -52,6 +53,7 @@ MAX_TOTAL_PARTS = 1024  # text parts in all the messages of one chat
 NO_BOUND = 1 << 20  # characters per token when the vocabulary cannot be read: the body limit rules
 INLINE_CHARS = 2048  # prompts up to this long are tokenized in place (a few ms at most)
 MAX_TOKENIZING = 2  # large prompts tokenized (or bodies parsed) at once per server; more wait their turn
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection": logged, never received
 INLINE_BODY_BYTES = 16 * 1024  # bodies up to this are parsed and validated in place (well under 1 ms)
 
 T = TypeVar("T")
@@ -292,8 +294,8 @@ def _apply_template(tokenizer: Any, turns: list[dict[str, str]]) -> list[int]:
 
 # -- bodies --------------------------------------------------------------------------------------
 class OffLoopBody(APIRoute):
-    """A route whose JSON body, when over :data:`INLINE_BODY_BYTES`, is parsed and validated by
-    :func:`parse_body` in a worker thread (:func:`off_loop`, the tokenizer's gate).
+    """A route whose JSON body is parsed and validated by :func:`parse_body`: in place up to
+    :data:`INLINE_BODY_BYTES`, in a worker thread beyond (:func:`off_loop`, the tokenizer's gate).
 
     FastAPI then finds the validated model as the request's JSON and takes it as it is (pydantic
     does not validate an instance of the model again), so the route and its OpenAPI schema are
@@ -307,8 +309,11 @@ class OffLoopBody(APIRoute):
             return handler
 
         async def route(request: Request) -> Response:
-            body = await request.body()
-            if len(body) > INLINE_BODY_BYTES and _is_json(request.headers.get("content-type", "")):
+            try:
+                body = await request.body()
+            except ClientDisconnect:  # gone before its body was whole: no one to answer, no server error
+                return Response(status_code=CLIENT_CLOSED)
+            if _is_json(request.headers.get("content-type", "")):
                 request._json = await off_loop(parse_body, field, body, size=len(body), inline=INLINE_BODY_BYTES)
             return await handler(request)
 
@@ -328,8 +333,12 @@ def parse_body(field: Any, body: bytes) -> Any:
     except json.JSONDecodeError as exc:
         error = {"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error", "input": {}}
         raise RequestValidationError([{**error, "ctx": {"error": exc.msg}}]) from None
-    except ValueError:  # not UTF-8 (or -16, -32) text: FastAPI's 400, answered as invalid JSON
+    except UnicodeDecodeError:  # not UTF-8 (or -16, -32) text: FastAPI's 400, answered as invalid JSON
         raise HTTPException(400, "There was an error parsing the body") from None
+    except (ValueError, RecursionError) as exc:  # JSON, but past what the parser takes (FastAPI: a bare 400)
+        said = "nested too deeply" if isinstance(exc, RecursionError) else "a number with too many digits"
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": said}}]) from None  # fmt: skip
     model, errors = field.validate(value, {}, loc=("body",))
     if errors:
         raise RequestValidationError(errors)
