@@ -41,7 +41,7 @@ def _add_demo(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    from labkit.engine.config import _DTYPES as DTYPES  # the one list (light: no torch)
+    from labkit.engine.config import DTYPES  # the one list (light: no torch)
 
     p = sub.add_parser("bench", help="benchmarks: decode-step cost and generation throughput")
     p.add_argument("what", choices=["step", "generate", "attention"])

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16")
 _ATTENTION = ("auto", "kernel", "gather")  # attention.py ATTENTION_MODES (kept light: no torch import there)
 _MATMUL = ("auto", "kernel", "library")  # matmul.py MATMUL_MODES
 # Chosen from notebook 09's budget sweep and burst (data/peers/: 32 streams of 64 tokens; a 1,000-token prompt
@@ -82,8 +82,8 @@ class EngineConfig:
                 )
         if self.max_waiting is not None and (not isinstance(self.max_waiting, int) or self.max_waiting < 0):
             raise ValueError(f"EngineConfig.max_waiting must be a non-negative int or None, got {self.max_waiting!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention not in _ATTENTION:
             raise ValueError(f"EngineConfig.attention must be one of {_ATTENTION}, got {self.attention!r}")
         if self.matmul not in _MATMUL:
