@@ -129,9 +129,11 @@ system-deps:
 # The peer server the serving comparison measures labkit against: llama.cpp's llama-server, built
 # once from source into the user's cache ($LABKIT_CACHE or ~/.cache/labkit, under peers/llama.cpp)
 # with the float32 GGUF of the weights labkit runs; about 12 minutes on two cores, skipped once
-# built, never part of `make test`. cmake comes from Debian when missing and we are root.
+# built (cmake is then not needed), never part of `make test`. cmake comes from Debian when
+# missing and we are root.
 peers: $(STAMP)
-	@if command -v cmake >/dev/null 2>&1; then :; \
+	@if $(PY) -c "import sys, labkit.peers as p; sys.exit(isinstance(p.llama_server(), p.PeerMissing))"; then :; \
+	elif command -v cmake >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake; \
 	else echo "cmake is missing and cannot be installed here (not root, or no apt-get): apt-get install cmake"; exit 1; fi

@@ -140,18 +140,21 @@ def test_load_verdicts_hold_when_labkit_leads_on_every_target() -> None:
                  "throughput: ahead of both", "one stream: HTTP costs little"):  # fmt: skip
         assert got[name][0] == "holds", (name, got[name])
     assert "beside it, labkit/llama.cpp tokens/s" in got["one stream: HTTP costs little"][1]
-    assert "labkit/engine alone tokens/s, 6 pairs in 6 rounds" in got["one stream: HTTP costs little"][1]
+    one = got["one stream: HTTP costs little"][1]
+    assert "labkit/engine alone tokens/s, each round's median of 6 pairs in 6" in one, one
 
 
-def test_the_one_stream_verdict_pools_every_pair_and_is_unclear_without_the_engine() -> None:
+def test_the_one_stream_verdict_takes_each_rounds_median_pair_and_is_unclear_without_the_engine() -> None:
     rows = load_rows()
-    pairs = pd.DataFrame([{"repetition": rep, "http_tokens_per_s": 40.0 + i, "alone_tokens_per_s": 42.0 + i}
-                          for rep in range(3) for i in range(4)])  # fmt: skip
+    pairs = pd.DataFrame([{"repetition": rep, "http_tokens_per_s": 40.0 + i, "alone_tokens_per_s": (42.0 + i) * f}
+                          for rep in range(6) for i, f in enumerate((1.0, 1.0, 9.0))])  # one wild pair a round
     s = peers.LOAD.sizes_for("ci")
-    tables = {"rows": pd.DataFrame(rows), "pairs": pairs}
-    got = {v.name: v for v in peers.LOAD.verdicts({**tables, **peers.LOAD.tables(tables, s)}, s)}
-    one = got["one stream: HTTP costs little"]
-    assert one.outcome == "holds" and "12 pairs in 3 rounds" in one.evidence  # three rounds, yet twelve pairs: an interval
+    verdict = {v.name: v for v in peers.LOAD.verdicts({"rows": pd.DataFrame(rows), "pairs": pairs},
+                                                      s)}["one stream: HTTP costs little"]  # fmt: skip
+    assert verdict.outcome == "holds" and "18 pairs in 6" in verdict.evidence, verdict.evidence
+    few = {v.name: v for v in peers.LOAD.verdicts({"rows": pd.DataFrame(rows), "pairs": pairs[pairs.repetition < 3]},
+                                                  s)}["one stream: HTTP costs little"]  # fmt: skip
+    assert few.outcome == "unclear"  # twelve pairs, but three rounds: too few for an interval
     tables = {"rows": pd.DataFrame([r for r in rows if r["server"] != peers.ENGINE])}
     got = {v.name: v for v in peers.LOAD.verdicts({**tables, **peers.LOAD.tables(tables, s)}, s)}
     assert got["one stream: HTTP costs little"].outcome == "unclear"
@@ -249,4 +252,7 @@ def test_the_ci_notebooks_measurements_against_labkit_processes_alone(tmp_path, 
     rows = load.table()
     alone = rows[rows.server == peers.ENGINE]
     assert list(alone.level) == [1] * 3 and (alone.whole == 1).all() and (alone.tokens_per_s > 0).all()
+    pairs = load.table("pairs")  # the one-stream verdict's units: an HTTP launch and the engine beside it
+    assert sorted(pairs.repetition) == [0, 1, 2]
+    assert (pairs.http_tokens_per_s > 0).all() and (pairs.alone_tokens_per_s > 0).all()
     assert set(peers.side_by_side(stops).index.get_level_values("server")) == {peers.LABKIT}

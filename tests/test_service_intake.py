@@ -281,7 +281,8 @@ def test_json_past_what_the_parser_takes_is_refused_by_name_in_place_or_in_a_thr
         assert refused.json()["error"]["message"] == f"invalid JSON: {said}"
 
 
-def test_a_client_gone_before_its_body_is_whole_is_no_server_error(server: Any, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_client_gone_before_its_body_is_whole_is_no_server_error(
+        server: Any, caplog: pytest.LogCaptureFixture) -> None:
     """A head promising 4,096 bytes, 10 sent, then the socket closed: Starlette's ClientDisconnect
     was answered as a 500 and logged as "Exception in ASGI application"; the server now logs no
     error and goes on answering."""
@@ -297,3 +298,9 @@ def test_a_client_gone_before_its_body_is_whole_is_no_server_error(server: Any, 
         time.sleep(0.5)  # the server reads the close; a bounded wait for a log line that must not come
         assert post_json(server, "/v1/stream", b'{"prompt": "Hi", "max_new_tokens": 2}').status_code == 200
     assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+
+
+def test_an_empty_json_body_is_refused_as_a_missing_body(server: Any) -> None:
+    """FastAPI reads no JSON from an empty body; parse_body is never asked, so no JSON error."""
+    refused = post_json(server, "/v1/chat/completions", b"")
+    assert refused.status_code == 422 and refused.json()["error"]["message"] == "body: Field required", refused.text

@@ -106,8 +106,8 @@ def measure_load(trial: Trial) -> dict[str, Any] | list[dict[str, Any]]:
     tokens/s kept (a stream of one is over in a second or two, where a passing hiccup of the
     machine moves one reading by a tenth). labkit's one stream takes turns with the engine alone
     in this process, run by run (A B B A …), ``pairs`` times, each pair kept (``pairs`` table):
-    its verdict asks whether HTTP costs a tenth, so it pools the pairs of every round, readings
-    seconds apart, rather than one median a round."""
+    its verdict asks whether HTTP costs a tenth, so it takes a ratio per pair, two readings
+    seconds apart, and each round's median of them."""
     s, lineup = trial.sizes, as_lineup(trial.target)
     server = lineup.server(trial.server)
     since = server.current_step() if server.caps.lab else None
@@ -237,12 +237,14 @@ def load_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
 
 
 def _one_stream(pairs: pd.DataFrame | None) -> tuple:
-    """labkit's one stream over the engine alone, pair by pair over every round."""
+    """labkit's one stream over the engine alone: a ratio per pair, each round's median of them, and
+    the interval over the rounds (the pairs of one round share its machine, so they are not
+    counted as independent)."""
     if pairs is None or pairs.empty:
         return None, f"{ENGINE}: not measured"
-    decided, text = tell(interval(pairs.http_tokens_per_s.to_numpy(), others=pairs.alone_tokens_per_s.to_numpy()),
-                         0.9, "above")  # fmt: skip
-    return decided, f"{LABKIT}/{ENGINE} tokens/s, {len(pairs)} pairs in {pairs.repetition.nunique()} rounds: {text}"
+    by_round = (pairs.http_tokens_per_s / pairs.alone_tokens_per_s).groupby(pairs.repetition).median()
+    decided, text = tell(interval(by_round.to_numpy()), 0.9, "above")
+    return decided, f"{LABKIT}/{ENGINE} tokens/s, each round's median of {len(pairs)} pairs in {len(by_round)}: {text}"
 
 
 def _own_gaps(rows: pd.DataFrame, top: int) -> tuple:
@@ -292,14 +294,15 @@ LOAD = Experiment(
     title="Streams at once on labkit, llama.cpp and transformers serve; labkit's budgets; the engine alone",
     # nine rounds: the 95% interval of a median of nine leaves out the lowest and the highest round
     # (of six it keeps both), so one disturbed round no longer sets an end of a ratio's interval;
-    # the one-stream verdict pools its pairs (36 of them), so four a round are enough
+    # the one-stream verdict takes each round's median pair ratio: five pairs, odd, so that the
+    # launch a round keeps is the middle one
     sizes={
         "full": {
             "levels": (1, 8, 32),
             "tokens": 64,
             "budgets": (16, 64, 256, None),
             "solo": 3,
-            "pairs": 4,
+            "pairs": 5,
             "repetitions": 9,
         },
         "ci": {"levels": (1, 4), "tokens": 16, "budgets": (16, 64, None), "solo": 1, "pairs": 1, "repetitions": 3},

@@ -53,7 +53,7 @@ MAX_TOTAL_PARTS = 1024  # text parts in all the messages of one chat
 NO_BOUND = 1 << 20  # characters per token when the vocabulary cannot be read: the body limit rules
 INLINE_CHARS = 2048  # prompts up to this long are tokenized in place (a few ms at most)
 MAX_TOKENIZING = 2  # large prompts tokenized (or bodies parsed) at once per server; more wait their turn
-CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection": logged, never received
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection": no one receives it
 INLINE_BODY_BYTES = 16 * 1024  # bodies up to this are parsed and validated in place (well under 1 ms)
 
 T = TypeVar("T")
@@ -299,8 +299,10 @@ class OffLoopBody(APIRoute):
 
     FastAPI then finds the validated model as the request's JSON and takes it as it is (pydantic
     does not validate an instance of the model again), so the route and its OpenAPI schema are
-    unchanged; a refusal is the one FastAPI would make. A C-level ``json.loads`` still holds the
-    GIL for its length (a few ms for a 1 MiB body), but no longer the loop for the validation.
+    unchanged; a refusal is the one FastAPI would make, except that JSON past the parser's limits
+    (nesting, an integer's digits) is named rather than a bare 400. A C-level ``json.loads`` still
+    holds the GIL for its length (a few ms for a 1 MiB body), but no longer the loop for the
+    validation.
     """
 
     def get_route_handler(self) -> Callable[[Request], Any]:
@@ -313,7 +315,7 @@ class OffLoopBody(APIRoute):
                 body = await request.body()
             except ClientDisconnect:  # gone before its body was whole: no one to answer, no server error
                 return Response(status_code=CLIENT_CLOSED)
-            if _is_json(request.headers.get("content-type", "")):
+            if body and _is_json(request.headers.get("content-type", "")):  # empty: FastAPI's "Field required"
                 request._json = await off_loop(parse_body, field, body, size=len(body), inline=INLINE_BODY_BYTES)
             return await handler(request)
 
@@ -336,7 +338,9 @@ def parse_body(field: Any, body: bytes) -> Any:
     except UnicodeDecodeError:  # not UTF-8 (or -16, -32) text: FastAPI's 400, answered as invalid JSON
         raise HTTPException(400, "There was an error parsing the body") from None
     except (ValueError, RecursionError) as exc:  # JSON, but past what the parser takes (FastAPI: a bare 400)
-        said = "nested too deeply" if isinstance(exc, RecursionError) else "a number with too many digits"
+        said = "a number with too many digits" if "Exceeds the limit" in str(exc) else "not JSON it parses"
+        if isinstance(exc, RecursionError):
+            said = "nested too deeply"
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
                                        "input": {}, "ctx": {"error": said}}]) from None  # fmt: skip
     model, errors = field.validate(value, {}, loc=("body",))
