@@ -17,14 +17,19 @@ from labkit.lab.profiles import Profile
 CI = Profile("ci")
 
 
-def verdicts(spec: Any, rows: list[dict[str, Any]], **sizes: Any) -> dict[str, tuple[str, str]]:
+def verdicts(spec: Any, rows: list[dict[str, Any]], pairs: pd.DataFrame | None = None,
+             **sizes: Any) -> dict[str, tuple[str, str]]:
+    """``spec``'s verdicts on ``rows``; ``pairs`` by default a pair a round from the rows' labkit
+    one stream and engine alone, as measure_load keeps them."""
     s = spec.sizes_for("ci", **sizes)
     tables = {"rows": pd.DataFrame(rows)}
     http = {r["repetition"]: r["tokens_per_s"] for r in rows if r["server"] == peers.LABKIT and r.get("level") == 1}
     alone = [r for r in rows if r["server"] == peers.ENGINE]
-    if alone:  # labkit's one stream and the engine alone: a pair a round, as measure_load keeps them
-        tables["pairs"] = pd.DataFrame([{"repetition": r["repetition"], "http_tokens_per_s": http[r["repetition"]],
-                                         "alone_tokens_per_s": r["tokens_per_s"]} for r in alone])  # fmt: skip
+    if pairs is None and alone:
+        pairs = pd.DataFrame([{"repetition": r["repetition"], "http_tokens_per_s": http[r["repetition"]],
+                               "alone_tokens_per_s": r["tokens_per_s"]} for r in alone])  # fmt: skip
+    if pairs is not None:
+        tables["pairs"] = pairs
     return {v.name: (v.outcome, v.evidence) for v in spec.verdicts({**tables, **spec.tables(tables, s)}, s)}
 
 
@@ -148,17 +153,12 @@ def test_the_one_stream_verdict_takes_each_rounds_median_pair_and_is_unclear_wit
     rows = load_rows()
     pairs = pd.DataFrame([{"repetition": rep, "http_tokens_per_s": 40.0 + i, "alone_tokens_per_s": (42.0 + i) * f}
                           for rep in range(6) for i, f in enumerate((1.0, 1.0, 9.0))])  # one wild pair a round
-    s = peers.LOAD.sizes_for("ci")
-    verdict = {v.name: v for v in peers.LOAD.verdicts({"rows": pd.DataFrame(rows), "pairs": pairs},
-                                                      s)}["one stream: HTTP costs little"]  # fmt: skip
-    assert verdict.outcome == "holds" and "18 pairs in 6" in verdict.evidence, verdict.evidence
-    few = {v.name: v for v in peers.LOAD.verdicts({"rows": pd.DataFrame(rows), "pairs": pairs[pairs.repetition < 3]},
-                                                  s)}["one stream: HTTP costs little"]  # fmt: skip
-    assert few.outcome == "unclear"  # twelve pairs, but three rounds: too few for an interval
-    tables = {"rows": pd.DataFrame([r for r in rows if r["server"] != peers.ENGINE])}
-    got = {v.name: v for v in peers.LOAD.verdicts({**tables, **peers.LOAD.tables(tables, s)}, s)}
-    assert got["one stream: HTTP costs little"].outcome == "unclear"
-    assert got["one stream: HTTP costs little"].evidence.startswith("engine alone: not measured")
+    name = "one stream: HTTP costs little"
+    outcome, evidence = verdicts(peers.LOAD, rows, pairs)[name]
+    assert outcome == "holds" and "18 pairs in 6" in evidence, evidence
+    assert verdicts(peers.LOAD, rows, pairs[pairs.repetition < 3])[name][0] == "unclear"  # three rounds: too few
+    outcome, evidence = verdicts(peers.LOAD, [r for r in rows if r["server"] != peers.ENGINE])[name]
+    assert outcome == "unclear" and evidence.startswith("engine alone: not measured")
 
 
 def test_load_verdicts_fail_when_labkit_is_slower_gappier_or_out_of_budget() -> None:

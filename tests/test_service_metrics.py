@@ -37,7 +37,7 @@ def test_metrics_count_streams_tokens_and_finishes(tiny_gpt2: Any) -> None:
     assert ("python_gc_frozen_objects", ()) in metrics
 
 
-def test_freezing_the_heap_collects_its_garbage_first_keeps_collecting_after_and_a_scrape_never_recounts_it() -> None:
+def test_the_heap_freezes_after_a_collection_later_garbage_is_collected_and_a_scrape_never_recounts() -> None:
     """In a process of its own: a freeze is for the whole interpreter, and this one is the tests'."""
     import subprocess
     import sys
