@@ -3,11 +3,13 @@ fake engine for testing the hub without a model.
 
 ``lab_server`` wraps ``serve_in_thread`` with the checks every service test ends with: streams
 closed and blocks released while the server still runs (no leak hidden by shutdown), the cache
-whole after it stops, and no thread left behind.
+whole after it stops, and no thread left behind. Meanwhile the heap is frozen, as ``labkit serve``
+freezes its own (:func:`heap_frozen`).
 """
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 import struct
@@ -66,10 +68,32 @@ def settle(server: RunningServer) -> None:
     wait_until(lambda: engine_idle(server), what="the engine to release every block")
 
 
+_FROZEN = [0]  # lab_servers open in this process now: the outermost freezes and unfreezes
+
+
+@contextmanager
+def heap_frozen() -> Iterator[None]:
+    """The objects alive now, out of the collector's reach until the block ends: what
+    ``labkit serve`` does at start (``server.freeze_heap``). A server in this process shares the
+    test worker's heap (the models, torch, every test module: about 550,000 objects), and one full
+    collection walks it with the GIL held: a 0.3-0.7 s stall of every stream, which a test would
+    charge to the server (a gap, a send or stall timer firing). Objects made later are collected
+    as ever; no collection first, as freeze_heap makes, which would cost 0.3 s per server."""
+    _FROZEN[0] += 1
+    if _FROZEN[0] == 1:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        _FROZEN[0] -= 1
+        if _FROZEN[0] == 0:
+            gc.unfreeze()
+
+
 @contextmanager
 def lab_server(model: Any, *, check_settled: bool = True, **settings: Any) -> Iterator[RunningServer]:
     before = set(threading.enumerate())
-    with serve_in_thread(model, **settings) as server:
+    with heap_frozen(), serve_in_thread(model, **settings) as server:
         yield server
         if check_settled:
             settle(server)

@@ -82,7 +82,7 @@ def test_resume_verdicts_come_out_both_ways():
 
 def test_a_client_that_left_by_rst_resumes_exactly_and_is_forgotten_after_the_grace(tiny_gpt2):
     with LocalLab(tiny_gpt2) as target:
-        result = run(extensions.RESUME, target, save=False, show=False, tokens=8, leave_after=(2,), grace_s=0.3,
+        result = run(extensions.RESUME, target, save=False, show=False, tokens=8, leave_after=(2,), grace_s=1.0,
                      repetitions=1)  # fmt: skip
     rows = result.table("rows").set_index("come_back")
     assert rows.loc["at once", "tokens_before"] >= 2 and rows.loc["at once", "events_after"] > 0

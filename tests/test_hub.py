@@ -242,10 +242,10 @@ def test_a_request_that_waits_longer_than_queue_timeout_ends_with_an_error() -> 
 
 def test_a_request_admitted_in_time_is_not_touched_by_the_queue_timeout() -> None:
     async def body() -> None:
-        async with running_hub(FakeEngine(), queue_timeout=0.05) as hub:
+        async with running_hub(FakeEngine(), queue_timeout=0.5, stall_timeout=TIMEOUT) as hub:  # room for a loaded machine
             stream = hub.open("x", max_new_tokens=30)
             await stream.get(TIMEOUT)
-            await asyncio.sleep(0.1)  # past the timeout: it must have been disarmed by the first token
+            await asyncio.sleep(0.6)  # past the timeout: it must have been disarmed by the first token
             items = await read_all(stream)
             assert isinstance(items[-1], FinishEvent) and hub.stats().dropped == {}
             hub.close(stream)

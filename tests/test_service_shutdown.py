@@ -107,7 +107,7 @@ def test_labkit_serve_exits_cleanly_within_the_drain_grace_on_sigterm() -> None:
         blocked.sock.close()
         _, stderr = proc.communicate(timeout=TIMEOUT)
         assert code == 0, stderr
-        assert elapsed < grace + 2.0, (elapsed, stderr)
+        assert elapsed < grace + 5.0, (elapsed, stderr)  # far under TIMEOUT, which a drain that waited would take
         assert "Traceback" not in stderr and "CancelledError" not in stderr, stderr
         assert response.status_code == 503 and response.headers["retry-after"] == "1"
     finally:

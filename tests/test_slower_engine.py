@@ -75,7 +75,7 @@ def slow_lab(tiny_gpt2):
     with LocalLab(tiny_gpt2) as probe:
         step = step_seconds(probe)
     with LocalLab(tiny_gpt2, step_delay=(SLOWER - 1) * step) as lab:
-        assert step_seconds(lab) >= (SLOWER - 0.5) * step  # it really is slower
+        assert step_seconds(lab) >= (SLOWER - 1) * step  # it really is slower (room for a loaded probe)
         yield lab
 
 
