@@ -146,7 +146,7 @@ def test_load_verdicts_hold_when_labkit_leads_on_every_target() -> None:
         assert got[name][0] == "holds", (name, got[name])
     assert "beside it, labkit/llama.cpp tokens/s" in got["one stream: HTTP costs little"][1]
     one = got["one stream: HTTP costs little"][1]
-    assert "labkit/engine alone tokens/s, each round's median of 6 pairs in 6" in one, one
+    assert "labkit/engine alone tokens/s, each round's median pair (6 pairs, 6 rounds)" in one, one
 
 
 def test_the_one_stream_verdict_takes_each_rounds_median_pair_and_is_unclear_without_the_engine() -> None:
@@ -155,7 +155,7 @@ def test_the_one_stream_verdict_takes_each_rounds_median_pair_and_is_unclear_wit
                           for rep in range(6) for i, f in enumerate((1.0, 1.0, 9.0))])  # one wild pair a round
     name = "one stream: HTTP costs little"
     outcome, evidence = verdicts(peers.LOAD, rows, pairs)[name]
-    assert outcome == "holds" and "18 pairs in 6" in evidence, evidence
+    assert outcome == "holds" and "(18 pairs, 6 rounds)" in evidence, evidence
     assert verdicts(peers.LOAD, rows, pairs[pairs.repetition < 3])[name][0] == "unclear"  # three rounds: too few
     outcome, evidence = verdicts(peers.LOAD, [r for r in rows if r["server"] != peers.ENGINE])[name]
     assert outcome == "unclear" and evidence.startswith("engine alone: not measured")

@@ -79,10 +79,10 @@ def test_the_schema_states_what_the_routes_refuse(spec: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("path, method, statuses", [
-    ("/v1/stream", "post", {"200", "413", "422", "429", "503"}),
-    ("/v1/generate", "post", {"200", "413", "422", "429", "503"}),
-    ("/v1/completions", "post", {"200", "413", "422", "429", "503"}),
-    ("/v1/chat/completions", "post", {"200", "413", "422", "429", "503"}),
+    ("/v1/stream", "post", {"200", "413", "415", "422", "429", "503"}),
+    ("/v1/generate", "post", {"200", "413", "415", "422", "429", "503"}),
+    ("/v1/completions", "post", {"200", "413", "415", "422", "429", "503"}),
+    ("/v1/chat/completions", "post", {"200", "413", "415", "422", "429", "503"}),
     ("/v1/streams/{request_id}/events", "get", {"200", "204", "404", "410", "422"}),
     ("/healthz", "get", {"200", "503"}),
     ("/health", "get", {"200", "503"}),

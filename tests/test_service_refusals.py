@@ -1,6 +1,7 @@
 """Everything refusable is refused before the first byte: a JSON envelope with its own status."""
 from __future__ import annotations
 
+import gzip
 import re
 from typing import Any
 
@@ -49,6 +50,49 @@ def test_a_bad_request_is_refused_with_a_json_envelope(server: Any, path: str, d
     with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
         response = client.post(path, content=data, headers={"content-type": "application/json"})
     assert_envelope(response, 422, kind)
+
+
+@pytest.mark.parametrize("path", ["/v1/stream", "/v1/generate", "/v1/completions", "/v1/chat/completions",
+                                  "/lab/flood"])
+@pytest.mark.parametrize("content_type", [None, "", "application/x-www-form-urlencoded", "text/plain",
+                                          "multipart/form-data; boundary=x", "application/jsonx"])
+def test_a_body_not_sent_as_json_is_refused_with_415_naming_its_content_type(
+        server: Any, path: str, content_type: str | None) -> None:
+    """``curl -d`` sends a form's type, a web page's simple request ``text/plain``: each is
+    refused by what it said it was, not parsed as JSON anyway, nor blamed on the fields."""
+    body = b'{"prompt": "Hello", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}'
+    headers = {"content-type": content_type} if content_type is not None else {}
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        response = client.post(path, content=body, headers=headers)
+        assert response.request.headers.get("content-type") == content_type  # httpx adds none to raw content
+        assert client.post(path, content=b"", headers=headers).status_code == 422  # no body: "Field required"
+    assert_envelope(response, 415, "unsupported_media_type")
+    said = response.json()["error"]["message"]
+    assert said.endswith("no Content-Type" if content_type is None else f"has Content-Type: {content_type}"), said
+
+
+@pytest.mark.parametrize("encoding", [["gzip"], ["br, gzip"], ["identity, gzip"], ["identity", "gzip"]],
+                         ids=["gzip", "two-codings", "identity-then-gzip", "two-header-lines"])
+def test_a_compressed_body_is_refused_with_415_and_the_coding_it_would_take(server: Any, encoding: list[str]) -> None:
+    """Read as it came, gzip's bytes were "invalid JSON"; inflated, 1 MiB on the wire could be any size."""
+    body = gzip.compress(b'{"prompt": "Hello", "max_new_tokens": 2}')
+    headers = [("content-type", "application/json")] + [("content-encoding", line) for line in encoding]
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        response = client.post("/v1/generate", content=body, headers=headers)
+        plain = client.post("/v1/generate", content=b'{"prompt": "Hello", "max_new_tokens": 2}',
+                            headers={"content-type": "application/json", "content-encoding": "identity"})
+    assert_envelope(response, 415, "unsupported_media_type")
+    assert response.headers["accept-encoding"] == "identity" and "gzip" in response.json()["error"]["message"]
+    assert plain.status_code == 200, plain.text
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON",
+                                          "application/vnd.api+json"])
+def test_every_json_content_type_is_read_as_json(server: Any, content_type: str) -> None:
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        response = client.post("/v1/generate", content=b'{"prompt": "Hello", "max_new_tokens": 2}',
+                               headers={"content-type": content_type})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2, response.text
 
 
 @pytest.mark.parametrize("chunked", [False, True])

@@ -72,6 +72,23 @@ def test_unknown_streams_and_bad_cursors_are_refused_before_the_stream(tiny_gpt2
         assert response.status_code == status and "error" in response.json()
 
 
+def test_a_bad_last_event_id_is_quoted_as_it_was_sent(server: Any) -> None:
+    """A header's bytes are UTF-8 here (Starlette reads them as Latin-1: "²" came back as "Â²")."""
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        with httpx_sse.connect_sse(client, "POST", "/v1/stream", json=BODY) as source:
+            start = decode_event_sse(next(iter(source.iter_sse())))[1]
+        said = {}
+        for sent in ["²", "7\udcff", "x" * 100]:
+            value = sent.encode("utf-8", "surrogateescape")
+            response = client.get(f"/v1/streams/{start['request_id']}/events",
+                                  headers={"X-Resume-Token": start["resume_token"], "Last-Event-ID": value})
+            assert response.status_code == 422, response.text
+            said[sent] = response.json()["error"]["message"]
+    assert said["²"] == "event id must be a non-negative integer, got '²'"
+    assert said["7\udcff"].endswith("got " + repr("7\\xff"))  # not UTF-8: its byte, escaped
+    assert said["x" * 100].endswith("got '" + "x" * 64 + "…'")  # cut as every echo is
+
+
 def hold_in_the_engine(server: Any, rid: str) -> None:
     """Pause a running request in the engine: it stays alive, making no tokens, until cancelled.
 

@@ -35,13 +35,14 @@ from labkit.engine.attention import (
     decode_attention,
     plan_decode,
 )
+from labkit.engine.config import DTYPES
 from labkit.engine.layers import Tiling, probe_chunk_rows
 from labkit.engine.matmul import FixedOrder, MatmulChoice, choose_matmul
 from labkit.engine.networks import Network, build_network
 from labkit.models.loaded import LoadedModel
 
 _BIG_WEIGHT = 32 << 20  # bytes; see ModelRunner._tiling
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # config's names, as torch's dtypes
 
 
 class KVPool:

@@ -244,7 +244,10 @@ def _one_stream(pairs: pd.DataFrame | None) -> tuple:
         return None, f"{ENGINE}: not measured"
     by_round = (pairs.http_tokens_per_s / pairs.alone_tokens_per_s).groupby(pairs.repetition).median()
     decided, text = tell(interval(by_round.to_numpy()), 0.9, "above")
-    return decided, f"{LABKIT}/{ENGINE} tokens/s, each round's median of {len(pairs)} pairs in {len(by_round)}: {text}"
+    return (
+        decided,
+        f"{LABKIT}/{ENGINE} tokens/s, each round's median pair ({len(pairs)} pairs, {len(by_round)} rounds): {text}",
+    )
 
 
 def _own_gaps(rows: pd.DataFrame, top: int) -> tuple:

@@ -34,6 +34,7 @@ HTTP_ONLY_TYPES = frozenset(
         "gone",
         "method_not_allowed",
         "payload_too_large",
+        "unsupported_media_type",
         "http_error",
         "request_timeout",
         "over_capacity",

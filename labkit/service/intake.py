@@ -44,6 +44,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from labkit.errors import InvalidRequest, PromptTooLong
+from labkit.schema import clip
+from labkit.service.errors import ServiceError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -300,7 +302,8 @@ class OffLoopBody(APIRoute):
     FastAPI then finds the validated model as the request's JSON and takes it as it is (pydantic
     does not validate an instance of the model again), so the route and its OpenAPI schema are
     unchanged; a refusal is the one FastAPI would make, except that JSON past the parser's limits
-    (nesting, an integer's digits) is named rather than a bare 400. A C-level ``json.loads`` still
+    (nesting, an integer's digits) is named rather than a bare 400, and a body that does not say
+    it is JSON is a 415 (:func:`_refuse_unless_json`). A C-level ``json.loads`` still
     holds the GIL for its length (a few ms for a 1 MiB body), but no longer the loop for the
     validation.
     """
@@ -315,17 +318,47 @@ class OffLoopBody(APIRoute):
                 body = await request.body()
             except ClientDisconnect:  # gone before its body was whole: no one to answer, no server error
                 return Response(status_code=CLIENT_CLOSED)
-            if body and _is_json(request.headers.get("content-type", "")):  # empty: FastAPI's "Field required"
+            if body:  # empty: FastAPI's "body: Field required"
+                codings = ", ".join(request.headers.getlist("content-encoding")) or None  # every line of it
+                _refuse_unless_json(request.headers.get("content-type"), codings)
                 request._json = await off_loop(parse_body, field, body, size=len(body), inline=INLINE_BODY_BYTES)
             return await handler(request)
 
         return route
 
 
-def _is_json(content_type: str) -> bool:
-    """What FastAPI reads as JSON: ``application/json`` or ``application/*+json``."""
-    kind = content_type.split(";")[0].strip().lower()
-    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+def _refuse_unless_json(content_type: str | None, content_encoding: str | None = None) -> None:
+    """A body must say it is JSON (``application/json`` or ``application/*+json``, as FastAPI reads
+    it), or it is refused with 415 naming what it said. FastAPI would hand its bytes to validation
+    ("body: Input should be a valid dictionary"), which hides the cause: ``curl -d`` sends
+    ``application/x-www-form-urlencoded`` unless told otherwise. Reading it as JSON anyway, as
+    llama.cpp's server does, would let a web page on any origin post here without the browser's
+    preflight: ``text/plain`` is a simple request, ``application/json`` is not.
+
+    A compressed body is a 415 too, with ``Accept-Encoding: identity`` (RFC 9110, 15.5.16): read
+    as it came, gzip's bytes were "invalid JSON", and inflating them would let 1 MiB on the wire
+    become any size in memory."""
+    if content_encoding is not None and {c.strip().lower() for c in content_encoding.split(",")} - {"", "identity"}:
+        raise ServiceError(
+            415,
+            "unsupported_media_type",
+            f"a body with Content-Encoding: {clip(content_encoding)} is not read; send it uncompressed",
+            {"Accept-Encoding": "identity"},
+        )
+    kind = (content_type or "").split(";")[0].strip().lower()
+    if kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
+        said = "no Content-Type" if content_type is None else f"Content-Type: {clip(content_type)}"
+        raise ServiceError(
+            415,
+            "unsupported_media_type",
+            f"the body must be JSON (Content-Type: application/json); this one has {said}",
+        )
+
+
+def _past_the_parser(said: str) -> RequestValidationError:
+    return RequestValidationError(
+        [{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error", "input": {}, "ctx": {"error": said}}]
+    )
 
 
 def parse_body(field: Any, body: bytes) -> Any:
@@ -337,12 +370,12 @@ def parse_body(field: Any, body: bytes) -> Any:
         raise RequestValidationError([{**error, "ctx": {"error": exc.msg}}]) from None
     except UnicodeDecodeError:  # not UTF-8 (or -16, -32) text: FastAPI's 400, answered as invalid JSON
         raise HTTPException(400, "There was an error parsing the body") from None
-    except (ValueError, RecursionError) as exc:  # JSON, but past what the parser takes (FastAPI: a bare 400)
-        said = "a number with too many digits" if "Exceeds the limit" in str(exc) else "not JSON it parses"
-        if isinstance(exc, RecursionError):
-            said = "nested too deeply"
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
-                                       "input": {}, "ctx": {"error": said}}]) from None  # fmt: skip
+    except RecursionError:  # JSON, but past what the parser takes (FastAPI: a bare 400)
+        raise _past_the_parser("nested too deeply") from None
+    except ValueError as exc:  # int's limit of 4,300 digits, or a ValueError from elsewhere in json
+        raise _past_the_parser(
+            "a number with too many digits" if "Exceeds the limit" in str(exc) else "not JSON it parses"
+        ) from None
     model, errors = field.validate(value, {}, loc=("body",))
     if errors:
         raise RequestValidationError(errors)

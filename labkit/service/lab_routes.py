@@ -53,11 +53,12 @@ from starlette.types import Message, Send
 
 from labkit.schema import clip
 from labkit.service.errors import ServiceError
+from labkit.service.intake import OffLoopBody
 from labkit.service.responses import SSE_HEADERS, SSE_MEDIA_TYPE, ClosingStreamingResponse
 from labkit.service.streaming import Number, service_of
 from labkit.sse import ServerSentEvent
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopBody)  # /lab/flood's body is read as the /v1 routes' are
 MAX_IDS = 1000  # request ids one ``/lab/streams?ids=`` may name
 INTEGRITY_TIMEOUT_S = 30.0  # the step thread runs the check between two steps: one step's wait at most
 FLOOD_MAX_EVENT_BYTES = 1 << 20

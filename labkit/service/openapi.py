@@ -32,6 +32,7 @@ _WHY = {
     404: "Nothing by that name (unknown, or expired).",
     410: "What was asked for existed but is gone.",
     413: "The body is larger than the server's limit.",
+    415: "The body is not sent as JSON (Content-Type: application/json), or is compressed (Accept-Encoding: identity).",
     422: "The request can never be served as written (invalid_request, prompt_too_long).",
     429: "The waiting list is full, or a deadline_s cannot be met (deadline_unreachable); Retry-After says when to try again.",
     503: "The server is draining or shutting down; Retry-After says when to try again.",
@@ -64,7 +65,7 @@ def sse(description: str, event: dict[str, Any], also_json: bool = False) -> Res
     return {200: {"description": description, "content": content}}
 
 
-BODY_REFUSALS = refusals(413, 422, 429, 503)  # what any route that submits a request may answer
+BODY_REFUSALS = refusals(413, 415, 422, 429, 503)  # what any route that submits a request may answer
 LAB_STREAM = {
     **sse("Server-sent events: start, token..., done | error (see labkit.schema).", LAB_EVENT),
     **BODY_REFUSALS,

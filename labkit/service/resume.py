@@ -319,13 +319,18 @@ def _same(given: str, expected: str) -> bool:
 
 
 def parse_cursor(last_event_id: str | None, after: str | None) -> int:
-    raw = last_event_id if last_event_id not in (None, "") else after
+    """The cursor, from ``Last-Event-ID`` (its bytes read as UTF-8: Starlette decodes a header as
+    Latin-1, and "²" was echoed back as "Â²") or from ``?after=``; 0 when neither is given."""
+    if last_event_id not in (None, ""):
+        raw: str | None = last_event_id.encode("latin-1").decode("utf-8", "backslashreplace")
+    else:
+        raw = after
     if raw is None or raw == "":
         return 0
     digits = raw.strip()
     # isdigit() alone would pass "²" and other digits int() refuses; 18 digits outnumber any log
     if not (digits.isascii() and digits.isdigit()) or len(digits) > 18:
-        raise ServiceError(422, "invalid_request", f"event id must be a non-negative integer, got {raw[:40]!r}")
+        raise ServiceError(422, "invalid_request", f"event id must be a non-negative integer, got {clip(raw)!r}")
     return int(digits)
 
 
