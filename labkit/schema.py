@@ -86,6 +86,12 @@ def clip(value: object, limit: int = ECHO_CHARS) -> str:
     return text
 
 
+def as_sent(header: str) -> str:
+    """A header's value as its sender wrote it: Starlette decodes a header's bytes as Latin-1,
+    so "²" would be quoted back as "Â²"; read as UTF-8 here (backslash-escaped where it is not)."""
+    return header.encode("latin-1").decode("utf-8", "backslashreplace")
+
+
 # Required keys and their types, per event type; nested objects are checked one level down.
 _REQUIRED: dict[str, dict[str, Any]] = {
     "start": {"request_id": str, "model": str, "prompt_tokens": int},

@@ -86,6 +86,16 @@ def test_a_compressed_body_is_refused_with_415_and_the_coding_it_would_take(serv
     assert plain.status_code == 200, plain.text
 
 
+def test_a_refused_content_header_is_quoted_as_it_was_sent(server: Any) -> None:
+    """Its bytes read as UTF-8, as the Last-Event-ID's are (Starlette reads a header as Latin-1)."""
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        typed = client.post("/v1/generate", content=b"{}", headers={"content-type": "text/plain; x=²".encode()})
+        coded = client.post("/v1/generate", content=b"{}", headers={"content-type": "application/json",
+                                                                     "content-encoding": "gzip²".encode()})
+    assert typed.json()["error"]["message"].endswith("has Content-Type: text/plain; x=²"), typed.text
+    assert "Content-Encoding: gzip² is not read" in coded.json()["error"]["message"], coded.text
+
+
 @pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON",
                                           "application/vnd.api+json"])
 def test_every_json_content_type_is_read_as_json(server: Any, content_type: str) -> None:

@@ -44,7 +44,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from labkit.errors import InvalidRequest, PromptTooLong
-from labkit.schema import clip
+from labkit.schema import as_sent, clip
 from labkit.service.errors import ServiceError
 
 MAX_STOP_STRINGS = 16
@@ -327,7 +327,7 @@ class OffLoopBody(APIRoute):
         return route
 
 
-def _refuse_unless_json(content_type: str | None, content_encoding: str | None = None) -> None:
+def _refuse_unless_json(content_type: str | None, content_encoding: str | None) -> None:
     """A body must say it is JSON (``application/json`` or ``application/*+json``, as FastAPI reads
     it), or it is refused with 415 naming what it said. FastAPI would hand its bytes to validation
     ("body: Input should be a valid dictionary"), which hides the cause: ``curl -d`` sends
@@ -337,17 +337,17 @@ def _refuse_unless_json(content_type: str | None, content_encoding: str | None =
 
     A compressed body is a 415 too, with ``Accept-Encoding: identity`` (RFC 9110, 15.5.16): read
     as it came, gzip's bytes were "invalid JSON", and inflating them would let 1 MiB on the wire
-    become any size in memory."""
+    become any size in memory. Each header is quoted :func:`as_sent`."""
     if content_encoding is not None and {c.strip().lower() for c in content_encoding.split(",")} - {"", "identity"}:
         raise ServiceError(
             415,
             "unsupported_media_type",
-            f"a body with Content-Encoding: {clip(content_encoding)} is not read; send it uncompressed",
+            f"a body with Content-Encoding: {clip(as_sent(content_encoding))} is not read; send it uncompressed",
             {"Accept-Encoding": "identity"},
         )
     kind = (content_type or "").split(";")[0].strip().lower()
     if kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
-        said = "no Content-Type" if content_type is None else f"Content-Type: {clip(content_type)}"
+        said = "no Content-Type" if content_type is None else f"Content-Type: {clip(as_sent(content_type))}"
         raise ServiceError(
             415,
             "unsupported_media_type",

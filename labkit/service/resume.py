@@ -48,7 +48,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response
 
 from labkit.hub import Hub, Stream
-from labkit.schema import StreamEncoder, clip
+from labkit.schema import StreamEncoder, as_sent, clip
 from labkit.service import openapi
 from labkit.service.errors import ServiceError
 from labkit.service.frames import PING, Frame, frames, wire_bytes
@@ -319,12 +319,9 @@ def _same(given: str, expected: str) -> bool:
 
 
 def parse_cursor(last_event_id: str | None, after: str | None) -> int:
-    """The cursor, from ``Last-Event-ID`` (its bytes read as UTF-8: Starlette decodes a header as
-    Latin-1, and "²" was echoed back as "Â²") or from ``?after=``; 0 when neither is given."""
-    if last_event_id not in (None, ""):
-        raw: str | None = last_event_id.encode("latin-1").decode("utf-8", "backslashreplace")
-    else:
-        raw = after
+    """The cursor, from ``Last-Event-ID`` (quoted :func:`as_sent` when refused) or from
+    ``?after=``; 0 when neither is given."""
+    raw = as_sent(last_event_id) if last_event_id else after
     if raw is None or raw == "":
         return 0
     digits = raw.strip()
