@@ -17,7 +17,7 @@ import contextlib
 import copy
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,17 @@ class GenerateBench:
     ignore_eos: bool = True  # every request makes exactly new_tokens, as throughput benchmarks arrange
 
 
+def median_ms(call: Callable[[], object], warmup: int, steps: int) -> float:
+    """The median of ``steps`` calls of ``call``, in ms, each timed alone with ``perf_counter``
+    after ``warmup`` calls timed the same way and left out."""
+    times = []
+    for _ in range(warmup + steps):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times[warmup:])
+
+
 def _engine_step_ms(
     loaded: LoadedModel, prompts: list[list[int]], cfg: StepBench, invariant: bool
 ) -> tuple[float, BatchEngine]:
@@ -71,12 +82,7 @@ def _engine_step_ms(
     for p in prompts:
         engine.submit(p, max_new_tokens=cfg.steps + cfg.warmup + 2)
     engine.step()  # admits and prefills every prompt; the steps timed below only decode
-    times = []
-    for _ in range(cfg.warmup + cfg.steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times[cfg.warmup :]), engine
+    return median_ms(engine.step, cfg.warmup, cfg.steps), engine
 
 
 @torch.inference_mode()
@@ -93,13 +99,12 @@ def _matmul_floor_ms(engine: BatchEngine, batch: int, cfg: StepBench, *, as_engi
     rows = batch if tile is None else tile.padded(batch)
     products = runner.network.matmuls()
     inputs = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=runner.dtype, device=runner.device) for w, _ in products}
-    times = []
-    for _ in range(cfg.warmup + cfg.steps):
-        t0 = time.perf_counter()
+
+    def all_products() -> None:
         for weight, bias in products:
             linear(inputs[weight.shape[0]], weight, bias, tile)
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times[cfg.warmup :])
+
+    return median_ms(all_products, cfg.warmup, cfg.steps)
 
 
 @contextlib.contextmanager
@@ -129,14 +134,13 @@ def _time_bare_forward(model: torch.nn.Module, prompts: list[list[int]], cfg: St
     ids = torch.tensor(prompts)
     out = model(input_ids=ids, use_cache=True)
     cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
-    times = []
-    for _ in range(cfg.warmup + cfg.steps):
-        t0 = time.perf_counter()
+
+    def decode() -> None:
+        nonlocal cache, nxt
         out = model(input_ids=nxt, cache=cache, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
-        times.append(time.perf_counter() - t0)
-        cache = out.cache
-    return 1000 * statistics.median(times[cfg.warmup :])
+        cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
+
+    return median_ms(decode, cfg.warmup, cfg.steps)
 
 
 def _step_row(loaded: LoadedModel, batch: int, cfg: StepBench) -> dict[str, float]:

@@ -16,14 +16,12 @@ prompt needs prefilling: every cell starts at once, at its context.
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import pandas as pd
 import torch
 
+from labkit.bench import median_ms
 from labkit.engine.attention import AttentionChoice, choose_attention, decode_attention
 from labkit.engine.runner import ModelRunner
 from labkit.models import LoadedModel, load_model
@@ -123,19 +121,10 @@ def _one_cell(runner: ModelRunner, cfg: AttentionBench, ctx: int, tables, tokens
     positions_copied = sum((g.stop - g.start) * g.width for g in plan.groups)
     per_position = 2 * layers * runner.network.shape.num_kv_heads * runner.network.shape.head_dim
     return {
-        "attention_ms": _median_ms(attention, cfg),
-        "step_ms": _median_ms(step, cfg),
+        "attention_ms": median_ms(attention, cfg.warmup, cfg.steps),
+        "step_ms": median_ms(step, cfg.warmup, cfg.steps),
         "copied_MiB": 0.0 if kernel else positions_copied * per_position * runner.pool.kv.element_size() / 2**20,
     }
-
-
-def _median_ms(call: Callable[[], None], cfg: AttentionBench) -> float:
-    times = []
-    for _ in range(cfg.warmup + cfg.steps):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times[cfg.warmup :])
 
 
 def summarize(samples: pd.DataFrame) -> pd.DataFrame:

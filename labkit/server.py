@@ -40,7 +40,6 @@ from labkit.service.connections import guarded_protocol
 from labkit.service.metrics import record_freeze
 
 __all__ = [
-    "ServiceConfig",
     "RunningServer",
     "serve_in_thread",
     "add_serve_arguments",

@@ -20,10 +20,6 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
 
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
 
 @dataclass(frozen=True)
 class TokenEvent:

@@ -16,8 +16,6 @@ library does; ``labkit bench step`` shows what that is worth beside the library'
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from labkit.engine.kernels import Kernel, decide, fixed_matmul_kernel
+from labkit.engine.kernels import Kernel, decide, fixed_matmul_kernel, write_atomically
 
 PANEL = 48  # columns per panel: fixed_matmul.cpp's NR
 MATMUL_MODES = ("auto", "kernel", "library")
@@ -106,13 +104,8 @@ def speed_check(kernel: Kernel) -> SpeedCheck:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     check = _measure(kernel, threads)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=record.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"rows": check.rows, "kernel_ms": check.kernel_ms, "library_ms": check.library_ms}, f)
-        os.replace(tmp, record)
-    except OSError:
-        pass  # an unwritable cache: measure again next time
+    measured = {"rows": check.rows, "kernel_ms": check.kernel_ms, "library_ms": check.library_ms}
+    write_atomically(record, json.dumps(measured).encode())  # an unwritable cache: measure again next time
     return check
 
 

@@ -8,7 +8,7 @@ from importlib.resources import files
 
 from labkit.lab.experiment import Experiment
 
-__all__ = ["GROUPS", "specs", "names", "published"]
+__all__ = ["GROUPS", "specs", "published"]
 
 #: the notebook experiments, in the order ``labkit run all`` runs them
 GROUPS = (
@@ -32,10 +32,6 @@ def specs(name: str) -> list[Experiment]:
     if not found:
         raise KeyError(f"unknown measurement {name!r}; {group} has {', '.join(s.name for s in _module_specs(group))}")
     return found
-
-
-def names() -> list[str]:
-    return [spec.name for spec in specs("all")]
 
 
 def published(section: str) -> dict[str, str]:

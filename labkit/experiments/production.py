@@ -26,11 +26,10 @@ from labkit.experiments.deadline import GATE, GOODPUT, cancel
 from labkit.lab import Experiment, NotMeasurable, Process, ReadOptions, Request, Stream, Trial, judge, span, spread
 from labkit.lab.client import async_client, read, run_sync
 from labkit.lab.components import Chromium, Nginx, Route
+from labkit.lab.experiment import Row, Tables
 from labkit.lab.witness import until, wait_for
 from labkit.prompts import PROMPTS
 
-Row = dict[str, Any]
-Tables = dict[str, pd.DataFrame]
 #: route: proxy_buffering, X-Accel-Buffering honoured, gzip, HTTP version to the upstream (nginx's default: 1.0)
 ROUTES = {"buffering-on": (1, 1, 0, "1.0"), "buffering-on-accel-ignored": (1, 0, 0, "1.0"),
           "buffering-off": (0, 1, 0, "1.0"), "buffering-off-accel-ignored": (0, 0, 0, "1.0"),

@@ -14,10 +14,9 @@ from typing import Any
 
 import pandas as pd
 
+from labkit.experiments.isolation import MODES
 from labkit.lab import Experiment, Sizes, Target, Trial, judge, spread
 from labkit.prompts import context_ids
-
-MODES = ("invariant", "plain")
 
 
 class Engines(dict[tuple[int, str], Any]):

@@ -9,12 +9,11 @@ policies between them.
 """
 
 from labkit.hub.config import DELIVERY_MODES, HubConfig
-from labkit.hub.hub import Draining, Engine, Hub, HubStats
+from labkit.hub.hub import Draining, Hub, HubStats
 from labkit.hub.policies import POLICIES, Decision, Flow
 from labkit.hub.stream import (
     TRANSITIONS,
     IllegalTransition,
-    Item,
     Stream,
     StreamClosed,
     StreamError,
@@ -28,13 +27,11 @@ __all__ = [
     "TRANSITIONS",
     "Decision",
     "Draining",
-    "Engine",
     "Flow",
     "Hub",
     "HubConfig",
     "HubStats",
     "IllegalTransition",
-    "Item",
     "Stream",
     "StreamClosed",
     "StreamError",

@@ -29,17 +29,16 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from labkit.engine.events import Event, FinishEvent, TokenEvent
+from labkit.engine.scheduler import Verb
 from labkit.engine.threads import leave_parallel_loops, take_parallel_loops
 from labkit.errors import LabkitError
 from labkit.hub.config import HubConfig
 from labkit.hub.policies import Decision, Flow, make_policy
 from labkit.hub.stepper import StepThread, run_check
 from labkit.hub.stream import Item, Stream, StreamError, StreamRecord, StreamState
-
-Verb = Literal["submit", "cancel", "pause", "resume"]
 
 
 class Draining(LabkitError):

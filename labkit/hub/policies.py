@@ -75,10 +75,6 @@ class Naive(Policy):
     waits_for_reader = True
 
 
-class Unbounded(Policy):
-    name = "unbounded"
-
-
 class Pause(Policy):
     """Resume at half the mark, not at empty, so the reader does not wait for the next step."""
 
@@ -127,7 +123,7 @@ class PauseThenDrop(Pause):
         return Decision(drop=True) if stream.state is StreamState.PAUSED else KEEP
 
 
-_BY_NAME: dict[str, type[Policy]] = {p.name: p for p in (Naive, Unbounded, Pause, Drop, PauseThenDrop)}
+_BY_NAME: dict[str, type[Policy]] = {p.name: p for p in (Naive, Policy, Pause, Drop, PauseThenDrop)}
 
 
 def make_policy(name: str, high_water: int, stall_timeout: float) -> Policy:

@@ -31,7 +31,7 @@ import h11
 import httpx
 import numpy as np
 
-from labkit.lab.stream import API, EventSplitter, LeaveBy, ReadOptions, Stream, json_or_text
+from labkit.lab.stream import API, EventSplitter, ReadOptions, Stream, json_or_text
 from labkit.machine import linger_zero
 
 __all__ = [
@@ -43,7 +43,6 @@ __all__ = [
     "async_client",
     "get_json",
     "run_sync",
-    "leave_socket",
 ]
 
 T = TypeVar("T")
@@ -215,27 +214,23 @@ def _should_leave(result: Stream, options: ReadOptions) -> bool:
     return n is not None and result.headers_at is not None and len(result.token_times) >= n and not result.completed
 
 
-def leave_socket(sock: socket.socket, how: LeaveBy) -> None:
-    """FIN by shutting our sending side; RST by arming a zero linger (the close sends it)."""
-    if how == "rst":
+async def _leave(result: Stream, options: ReadOptions, sock: socket.socket, recv: Any) -> None:
+    """FIN by shutting our sending side, then reading what is left until the peer closes; RST by
+    arming a zero linger (the caller's close sends it)."""
+    result.left, result.left_at = options.leave_by, time.perf_counter()
+    if options.leave_by == "rst":
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger_zero())
     else:
         with contextlib.suppress(OSError):  # already gone: the server closed first
             sock.shutdown(socket.SHUT_WR)
-
-
-async def _leave(result: Stream, options: ReadOptions, sock: socket.socket, recv: Any) -> None:
-    result.left, result.left_at = options.leave_by, time.perf_counter()
-    leave_socket(sock, options.leave_by)  # for RST, the caller's close sends it
-    if options.leave_by == "fin" and recv is not None:
         with contextlib.suppress(Exception):  # a timeout, the peer's RST or close ends the drain
-            await asyncio.wait_for(_drain(recv, result), options.drain_after_fin_s)
+            await asyncio.wait_for(_drain(recv), options.drain_after_fin_s)
     result.ended = time.perf_counter()
 
 
-async def _drain(recv: Any, result: Stream) -> None:
-    while chunk := await recv():
-        result.drained_bytes += len(chunk)
+async def _drain(recv: Any) -> None:
+    while await recv():
+        pass
 
 
 def _refusal(result: Stream, stream: bool) -> str | None:

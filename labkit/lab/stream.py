@@ -105,7 +105,6 @@ class Stream:
     last_event_id: str = ""
     left: LeaveBy | None = None
     left_at: float | None = None
-    drained_bytes: int = 0
     error: str | None = None  # a client-side failure or an HTTP refusal
     body: Any = None  # the body of a response that was not a stream (a refusal)
     wire: bytearray = field(default_factory=bytearray, repr=False)  # every byte received (keep_wire)

@@ -55,10 +55,6 @@ class Verdict:
     evidence: str
     checked: bool = False
 
-    @property
-    def holds(self) -> bool:
-        return self.outcome == "holds"
-
 
 def judge(
     name: str, claim: str, criterion: str, holds: bool | None, evidence: str, *, checked: bool = False

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from labkit.engine.events import FinishEvent, TokenEvent
-from labkit.hub.stream import Item, Stream, StreamClosed
+from labkit.hub.stream import Item, Stream, StreamClosed, StreamError
 from labkit.schema import StreamEncoder
 from labkit.service.errors import public_message
 from labkit.sse import sse_comment
@@ -46,11 +46,18 @@ def encode_item(encoder: StreamEncoder, item: Item) -> Frame:
         data, kind = encoder.token(item.index, item.token_id, item.text), "token"
     elif isinstance(item, FinishEvent) and item.reason != "cancelled":
         data, kind = encoder.done(item.reason, item.usage.prompt_tokens, item.usage.completion_tokens), "done"
-    elif isinstance(item, FinishEvent):
-        data, kind = encoder.error("cancelled", "the request was cancelled in the engine"), "error"
     else:
-        data, kind = encoder.error(item.type, public_message(item.type, item.message)), "error"
+        data, kind = encoder.error(*failure(item, "the request was cancelled in the engine")), "error"
     return Frame(kind, data, encoder.last_id)
+
+
+def failure(item: FinishEvent | StreamError, cancelled: str = "the request was cancelled") -> tuple[str, str]:
+    """The error a terminal item that is not a finish stands for, as (type, message fit for a
+    client): a ``FinishEvent`` here is a cancel (type ``"cancelled"``, the message given as
+    ``cancelled``); a hub error keeps its type (an internal one says only ``internal error``)."""
+    if isinstance(item, FinishEvent):
+        return "cancelled", cancelled
+    return item.type, public_message(item.type, item.message)
 
 
 async def items(stream: Stream, keepalive: float | None) -> AsyncIterator[Item | None]:

@@ -31,8 +31,7 @@ from labkit.engine.events import FinishEvent, TokenEvent
 from labkit.hub.stream import Stream
 from labkit.schema import error_envelope
 from labkit.service.deadline import DeadlineSeconds
-from labkit.service.errors import public_message
-from labkit.service.frames import PING, items, padding
+from labkit.service.frames import PING, failure, items, padding
 from labkit.service.intake import (
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
@@ -316,12 +315,7 @@ async def stream_chunks(service: Service, stream: Stream, shape: Shape, include_
                 if include_usage:
                     yield _data(shape.usage_chunk(item.usage.completion_tokens))
             else:
-                kind, message = (
-                    ("cancelled", "the request was cancelled")
-                    if isinstance(item, FinishEvent)
-                    else (item.type, item.message)
-                )
-                yield _data(error_envelope(kind, public_message(kind, message)))
+                yield _data(error_envelope(*failure(item)))
         if ended:  # a stream closed under us (forced shutdown) must not look complete
             yield _data("[DONE]")
     finally:

@@ -285,7 +285,8 @@ class ResumeRegistry:
             log.pump.cancel()  # its finally closes the hub stream, which cancels the request
 
     async def aclose(self) -> None:
-        """Stop every pump and timer (server shutdown, after the hub has drained)."""
+        """Stop every pump and timer (server shutdown, after the hub has drained). The logs leave
+        ``_logs`` first, so a pump's ``finally`` or a follower's detach cannot arm a new timer."""
         logs, self._logs = list(self._logs.values()), {}
         self._held.clear()
         for log in logs:
@@ -295,9 +296,6 @@ class ResumeRegistry:
                 log.pump.cancel()
         pumps = [log.pump for log in logs if log.pump is not None]
         await asyncio.gather(*pumps, return_exceptions=True)
-        for log in logs:
-            if log.timer is not None:
-                log.timer.cancel()
         await self.store.aclose()
 
 

@@ -47,9 +47,6 @@ class Service:
         )
         self.floods: OrderedDict[str, Any] = OrderedDict()
 
-    def encode(self, prompt: str) -> list[int]:
-        return self.engine.encode(prompt) if prompt else []
-
     def open(
         self,
         prompt_ids: Sequence[int],

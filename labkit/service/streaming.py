@@ -21,8 +21,8 @@ from labkit.engine.events import FinishEvent, TokenEvent
 from labkit.hub.stream import Stream, StreamClosed, StreamError
 from labkit.schema import StreamEncoder
 from labkit.service.deadline import DeadlineSeconds
-from labkit.service.errors import ServiceError, public_message
-from labkit.service.frames import frames, start_frame, wire_bytes
+from labkit.service.errors import ServiceError
+from labkit.service.frames import failure, frames, start_frame, wire_bytes
 from labkit.service.intake import Count, Number, OffLoopBody, Prompt, Seed, Stop, prompt_ids
 from labkit.service.openapi import BODY_REFUSALS, LAB_STREAM
 from labkit.service.responses import sse_response
@@ -151,12 +151,8 @@ async def collect(stream: Stream) -> dict[str, Any]:
             return {"text": "".join(text), "token_ids": ids, "finish_reason": item.reason, "usage": usage}
         else:
             assert isinstance(item, (FinishEvent, StreamError))
-            kind, message = (
-                ("cancelled", "the request was cancelled")
-                if isinstance(item, FinishEvent)
-                else (item.type, item.message)
-            )
-            raise ServiceError(_ERROR_STATUS.get(kind, 500), kind, public_message(kind, message))
+            kind, message = failure(item)
+            raise ServiceError(_ERROR_STATUS.get(kind, 500), kind, message)
 
 
 async def collect_whole(request: Request, service: Service, stream: Stream) -> dict[str, Any] | None:

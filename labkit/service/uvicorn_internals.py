@@ -88,10 +88,10 @@ def missing_state() -> list[str]:
     return missing
 
 
-def check(full: bool = False) -> None:
-    """Raise UnsupportedUvicorn where an internal is missing (``full``: instances too, else the
-    class's methods, which is what a server's start can afford)."""
-    missing = missing_state() if full else missing_methods()
+def check() -> None:
+    """Raise UnsupportedUvicorn where an internal is missing: the classes' methods, which is what
+    a server's start can afford (:func:`missing_state` checks instances too)."""
+    missing = missing_methods()
     if missing:
         raise UnsupportedUvicorn(
             f"uvicorn {metadata.version('uvicorn')} lacks what labkit's connection guards use "

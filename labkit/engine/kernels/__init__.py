@@ -60,11 +60,7 @@ _log = logging.getLogger(__name__)
 
 class KernelUnavailable(RuntimeError):
     """The native kernel could not be built or loaded on this machine (the message says why, in a
-    line; ``detail`` holds the compiler's full output where there was one)."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(reason)
-        self.detail = detail
+    line)."""
 
 
 @dataclass(frozen=True)
@@ -95,11 +91,6 @@ class Kernel:
     features: frozenset[str] = frozenset()  # fma, avx2, avx512f, openmp: what the compiler was told to use
     notes: tuple[str, ...] = ()  # a flag left out and why ("without -fopenmp (...): one thread")
     entries: dict[str, ctypes._CFuncPtr] = field(default_factory=dict)  # type: ignore[name-defined]  # rowwise: by name
-
-    @property
-    def vector(self) -> bool:
-        """Whether fixed_matmul's AVX-512 path was compiled in (else the portable one)."""
-        return "avx512f" in self.features
 
 
 _lock = threading.Lock()
@@ -335,7 +326,7 @@ def _refusal(exe: str, flag: str) -> str:
         answer = str(json.loads(record.read_text())["refusal"])
     except (OSError, ValueError, KeyError, TypeError):
         answer = _try_compile(exe, flag)
-        _write_atomically(record, json.dumps({"compiler": exe, "flag": flag, "refusal": answer}).encode())
+        write_atomically(record, json.dumps({"compiler": exe, "flag": flag, "refusal": answer}).encode())
     _probed[key] = answer
     return answer
 
@@ -378,8 +369,7 @@ def _compile(exe: str, flags: tuple[str, ...], source: Path, target: Path) -> No
         )
         if done.returncode != 0:
             raise KernelUnavailable(
-                f"{Path(exe).name} failed to compile {source.name}: {_short(exe, done.stderr, done.returncode)}",
-                done.stderr,
+                f"{Path(exe).name} failed to compile {source.name}: {_short(exe, done.stderr, done.returncode)}"
             )
         os.replace(tmp, target)
     except (OSError, subprocess.TimeoutExpired) as err:
@@ -389,7 +379,7 @@ def _compile(exe: str, flags: tuple[str, ...], source: Path, target: Path) -> No
             os.unlink(tmp)
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
     """``path`` holds ``data`` or what it held before, never half of it; an unwritable cache is no error."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
