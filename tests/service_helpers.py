@@ -68,7 +68,7 @@ def settle(server: RunningServer) -> None:
     wait_until(lambda: engine_idle(server), what="the engine to release every block")
 
 
-_FROZEN = [0]  # lab_servers open in this process now: the outermost freezes and unfreezes
+_servers_frozen = 0  # lab_servers open in this process now: the outermost freezes and unfreezes
 
 
 @contextmanager
@@ -79,14 +79,15 @@ def heap_frozen() -> Iterator[None]:
     collection walks it with the GIL held: a 0.3-0.7 s stall of every stream, which a test would
     charge to the server (a gap, a send or stall timer firing). Objects made later are collected
     as ever; no collection first, as freeze_heap makes, which would cost 0.3 s per server."""
-    _FROZEN[0] += 1
-    if _FROZEN[0] == 1:
+    global _servers_frozen
+    _servers_frozen += 1
+    if _servers_frozen == 1:
         gc.freeze()
     try:
         yield
     finally:
-        _FROZEN[0] -= 1
-        if _FROZEN[0] == 0:
+        _servers_frozen -= 1
+        if _servers_frozen == 0:
             gc.unfreeze()
 
 
