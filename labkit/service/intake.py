@@ -319,15 +319,14 @@ class OffLoopBody(APIRoute):
             except ClientDisconnect:  # gone before its body was whole: no one to answer, no server error
                 return Response(status_code=CLIENT_CLOSED)
             if body:  # empty: FastAPI's "body: Field required"
-                codings = ", ".join(request.headers.getlist("content-encoding")) or None  # every line of it
-                _refuse_unless_json(request.headers.get("content-type"), codings)
+                _refuse_unless_json(request.headers.get("content-type"), request.headers.getlist("content-encoding"))
                 request._json = await off_loop(parse_body, field, body, size=len(body), inline=INLINE_BODY_BYTES)
             return await handler(request)
 
         return route
 
 
-def _refuse_unless_json(content_type: str | None, content_encoding: str | None) -> None:
+def _refuse_unless_json(content_type: str | None, content_encoding: list[str]) -> None:
     """A body must say it is JSON (``application/json`` or ``application/*+json``, as FastAPI reads
     it), or it is refused with 415 naming what it said. FastAPI would hand its bytes to validation
     ("body: Input should be a valid dictionary"), which hides the cause: ``curl -d`` sends
@@ -337,12 +336,13 @@ def _refuse_unless_json(content_type: str | None, content_encoding: str | None) 
 
     A compressed body is a 415 too, with ``Accept-Encoding: identity`` (RFC 9110, 15.5.16): read
     as it came, gzip's bytes were "invalid JSON", and inflating them would let 1 MiB on the wire
-    become any size in memory. Each header is quoted :func:`as_sent`."""
-    if content_encoding is not None and {c.strip().lower() for c in content_encoding.split(",")} - {"", "identity"}:
+    become any size in memory; every line of the header counts. Each header is quoted :func:`as_sent`."""
+    said_encoding = ", ".join(content_encoding)
+    if {c.strip().lower() for c in said_encoding.split(",")} - {"", "identity"}:
         raise ServiceError(
             415,
             "unsupported_media_type",
-            f"a body with Content-Encoding: {clip(as_sent(content_encoding))} is not read; send it uncompressed",
+            f"a body with Content-Encoding: {clip(as_sent(said_encoding))} is not read; send it uncompressed",
             {"Accept-Encoding": "identity"},
         )
     kind = (content_type or "").split(";")[0].strip().lower()

@@ -62,14 +62,15 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-_FROZEN = [0]
+_frozen = 0
 
 
 def record_freeze(count: int) -> None:
     """The count :func:`labkit.server.freeze_heap` froze, for the gauge: ``gc.get_freeze_count()``
     walks the frozen list (about 33 ms for SmolLM2's 400,000 objects), and a scrape runs on the
     event loop, where that walk would stall every stream once per scrape."""
-    _FROZEN[0] = count
+    global _frozen
+    _frozen = count
 
 
 class StateCollector(Collector):
@@ -81,8 +82,7 @@ class StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self.read()
         yield _gauge("labkit_open_streams", "Streams registered in the hub.", stats.open_streams)
-        yield _gauge("python_gc_frozen_objects", "Objects the collector skips (labkit serve's startup heap).",
-                     _FROZEN[0])  # fmt: skip
+        yield _gauge("python_gc_frozen_objects", "Objects the collector skips (labkit serve's startup heap).", _frozen)
         yield _gauge("labkit_queue_depth", "Requests waiting for a batch slot.", stats.waiting)
         yield _gauge("labkit_running_requests", "Requests in the decode batch.", stats.running)
         yield _gauge("labkit_paused_requests", "Requests paused for a slow reader.", stats.paused)
