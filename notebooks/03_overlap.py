@@ -244,8 +244,9 @@ share.verdict_table()
 #
 # Every number in this notebook was read by the lab's own client, so an error in it would be in
 # all of them. GuideLLM (vLLM's benchmark tool, a separate program: `make guidellm`) reads the same
-# server here, taking turns with the lab's client: the same streams at once through its
-# `concurrent` profile, the same length past end-of-sequence, the same OpenAI completions route, a
+# server here in three conditions, in turn with the lab's client: each client alone with all the
+# streams at once (GuideLLM through its `concurrent` profile), and both clients at once, half the
+# streams each. Always the same length past end-of-sequence, the same OpenAI completions route, a
 # `labkit serve` process of its own so that neither client shares an interpreter with the server.
 # Both quantities are defined alike on both sides (tokens/s over first request to last token; a
 # request's inter-token latency as its span over its gaps, the median over requests).
@@ -261,15 +262,35 @@ share.verdict_table()
 #   median decode period in that run (from the start of one decode step to the start of the
 #   next) lies within 0.8 to 1.25. Falsified by any run outside it: a client that misreads the
 #   streams it gets.
+# * **read at once, the two agree**: with both clients reading the server together, half the
+#   streams each (the lab's client opens its half once the server holds all of GuideLLM's), the
+#   streams share the server's steps, so whatever a client costs the server, the other client pays
+#   too. In every such run, GuideLLM's tokens/s and inter-token latency over the lab client's lie
+#   within 0.8 to 1.25. Falsified by any run outside it: then the two clients read the same steps
+#   differently. (Runs too short for the halves to overlap, as in the `ci` profile's, can falsify
+#   it for that reason alone; the table's server period shows whether they shared the steps.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 guidellm = run(overlap.GUIDELLM, target)
 guidellm.table("tools")
 
+# %% [markdown]
+# The same quantities from the runs with both clients at once, per client:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+guidellm.table("at_once")
+
 # %%
 # NBVAL_IGNORE_OUTPUT
 guidellm.verdict_table()
+
+# %% [markdown]
+# How to read the four together: if the turns part while the runs at once agree and each client
+# keeps the server's own pace, both clients read truly and differ only in what they cost the server
+# they read (the server period column says how much); if the runs at once part too, one of the two
+# misreads the streams, and the table at once says which.
 
 # %%
 # NBVAL_CHECK_OUTPUT

@@ -22,16 +22,23 @@ SIZES = crosscheck.GUIDELLM.sizes_for("ci")
 
 
 def _rows(guidellm_tps: float = 100.0, guidellm_itl: float = 10.0, failed: int = 0,
-          guidellm_step: float | None = None) -> pd.DataFrame:
-    """Three runs a client; the server's period is the client's ITL unless ``guidellm_step`` says otherwise."""
-    rows = []
+          guidellm_step: float | None = None, together_tps: float = 50.0, together_itl: float = 20.0) -> pd.DataFrame:
+    """Three runs a client in turns; the server's period is the client's ITL unless ``guidellm_step``
+    says otherwise. And three runs of both at once, half the streams each: the lab client's 50
+    tokens/s at 20 ms, GuideLLM's ``together_tps`` at ``together_itl``."""
+    rows, half = [], SIZES.streams // 2
     for rep in range(3):
-        rows.append({"tool": "lab client", "repetition": rep, "tokens": SIZES.streams * SIZES.tokens,
-                     "tokens_per_s": 100.0 + rep, "itl_ms": 10.0 + rep / 10, "failed": 0,
-                     "server_period_ms": 10.0})  # fmt: skip
-        rows.append({"tool": "GuideLLM", "repetition": rep, "tokens": SIZES.streams * SIZES.tokens,
-                     "tokens_per_s": guidellm_tps + rep, "itl_ms": guidellm_itl, "failed": failed,
+        rows.append({"tool": "lab client", "repetition": rep, "streams": SIZES.streams,
+                     "tokens": SIZES.streams * SIZES.tokens, "tokens_per_s": 100.0 + rep, "itl_ms": 10.0 + rep / 10,
+                     "failed": 0, "at_once": False, "server_period_ms": 10.0})  # fmt: skip
+        rows.append({"tool": "GuideLLM", "repetition": rep, "streams": SIZES.streams,
+                     "tokens": SIZES.streams * SIZES.tokens, "tokens_per_s": guidellm_tps + rep,
+                     "itl_ms": guidellm_itl, "failed": failed, "at_once": False,
                      "server_period_ms": guidellm_itl if guidellm_step is None else guidellm_step})  # fmt: skip
+        for tool, tps, itl in (("lab client", 50.0, 20.0), ("GuideLLM", together_tps, together_itl)):
+            rows.append({"tool": tool, "repetition": rep, "streams": half, "tokens": half * SIZES.tokens,
+                         "tokens_per_s": tps, "itl_ms": itl, "failed": 0, "at_once": True,
+                         "server_period_ms": 20.0})  # fmt: skip
     return pd.DataFrame(rows)
 
 
@@ -56,6 +63,33 @@ def test_a_client_that_slowed_the_server_still_reads_the_server_s_own_pace():
     assert said["each client reads the server's own pace"] == "holds"
 
 
+def test_read_at_once_the_two_agree_or_part_run_by_run():
+    """The at-once runs are judged apart from the turns: each run's two ratios within 0.8-1.25."""
+    said = _said(_rows(guidellm_tps=50.0, guidellm_itl=20.0))
+    assert said["tokens/s agree"] == "falsified" and said["read at once, the two agree"] == "holds"
+    assert _said(_rows(together_tps=30.0))["read at once, the two agree"] == "falsified"
+    one_run_off = _rows()
+    one_run_off.loc[(one_run_off.tool == "GuideLLM") & one_run_off.at_once & (one_run_off.repetition == 1),
+                    "itl_ms"] = 30.0  # fmt: skip
+    said = _said(one_run_off)
+    assert said["read at once, the two agree"] == "falsified" and said["inter-token latency agrees"] == "holds"
+
+
+def test_without_runs_at_once_that_verdict_is_unclear_and_the_turns_are_judged_as_before():
+    """Data saved before the at-once condition (no ``at_once`` or ``streams`` column)."""
+    old = _rows().query("not at_once").drop(columns=["at_once", "streams"])
+    said = _said(old)
+    assert said["read at once, the two agree"] == "unclear"
+    assert {said[name] for name in said if name != "read at once, the two agree"} == {"holds"}
+    assert crosscheck.tables({"rows": old}, SIZES)["at_once"].empty
+
+
+def test_a_half_that_came_short_is_not_whole():
+    rows = _rows()
+    rows.loc[rows.at_once & (rows.tool == "lab client") & (rows.repetition == 0), "tokens"] -= 1
+    assert _said(rows)["both clients whole"] == "falsified"
+
+
 def test_a_client_whose_latency_is_not_the_server_s_step_misreads():
     assert _said(_rows(guidellm_itl=20.0, guidellm_step=10.0))["each client reads the server's own pace"] == "falsified"
 
@@ -64,7 +98,9 @@ def test_without_a_step_log_the_pace_check_is_unclear():
     rows = _rows().assign(server_period_ms=float("nan"))
     assert _said(rows)["each client reads the server's own pace"] == "unclear"
     assert _said(rows.drop(columns="server_period_ms"))["each client reads the server's own pace"] == "unclear"
-    assert crosscheck.tables({"rows": rows.drop(columns="server_period_ms")}, SIZES)["tools"].shape[0] == 2
+    tables = crosscheck.tables({"rows": rows.drop(columns="server_period_ms")}, SIZES)
+    assert tables["tools"].shape[0] == 2 and tables["tools"].n.tolist() == [3, 3], "the turns only"
+    assert tables["at_once"].n.tolist() == [3, 3]
 
 
 def test_one_run_outside_the_band_falsifies_even_beside_runs_without_a_period():
@@ -114,6 +150,7 @@ def test_the_server_period_is_read_from_a_real_server_s_step_log(tiny_gpt2):
 def test_a_missing_client_leaves_its_verdicts_unclear():
     rows = _rows().query("tool == 'lab client'")
     assert _said(rows)["tokens/s agree"] == "unclear"
+    assert _said(rows)["read at once, the two agree"] == "unclear"
 
 
 def test_without_guidellm_the_run_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):

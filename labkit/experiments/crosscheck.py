@@ -12,11 +12,13 @@ span between the earliest request and the latest end of a stream, and a request'
 (last token - first token) / (tokens - 1), its median over the requests.
 
 The two clients share the machine with the server, so a heavier client slows the server it reads, and
-the two can disagree while each reads truly. The server's own step log (lab routes) is the witness
-that tells the cases apart: each run records the server's median decode period (from the start of
+the two can disagree while each reads truly. Two designs tell the cases apart. The server's own step
+log (lab routes) is a witness: each run records the server's median decode period (from the start of
 one decode-only step to the start of the next: the step and any wait for a core before the next
 one), and each client's inter-token latency is judged against the period the server kept while that
-client read it.
+client read it. And in a third condition the two clients read the server *at once*, half the streams
+each, in the same batches: whatever one client costs the server, the other pays it too, so any
+difference left is in the reading.
 
 GuideLLM is a dev extra in an environment of its own (``make guidellm``: its pins differ from
 labkit's), run as a program, never imported; where it is missing the rows say so.
@@ -24,11 +26,13 @@ labkit's), run as a program, never imported; where it is missing the rows say so
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,10 +42,13 @@ import pandas as pd
 
 from labkit.lab import Experiment, NotMeasurable, Process, Request, Sizes, Target, Trial, judge, span, spread
 from labkit.lab.profiles import repo_root
+from labkit.lab.target import stop_process
+from labkit.lab.witness import wait_for
 from labkit.models.tokenizers import smollm2_tokenizer_folder
 from labkit.prompts import cycle
 
 TOOLS = ("lab client", "GuideLLM")
+AT_ONCE = "both at once"  # the condition in which each client reads half the streams, together
 AGREE = (0.8, 1.25)  # the band a ratio of the two clients' medians must fall in
 
 
@@ -75,12 +82,34 @@ def prepare(target: Target, s: Sizes) -> Served:
     return Served(target, program)
 
 
-def measure(trial: Trial) -> dict[str, Any]:
+def measure(trial: Trial) -> dict[str, Any] | list[dict[str, Any]]:
     served, s = trial.state, trial.sizes
     target = served.target
+    if trial.tool == AT_ONCE:
+        return at_once(served, s)
     first = target.current_step() if target.caps.lab else None
     row = run_guidellm(served, s) if trial.tool == "GuideLLM" else lab_client(target, s)
-    return row | {"server_period_ms": server_period_ms(target, first)}
+    return row | {"at_once": False, "server_period_ms": server_period_ms(target, first)}
+
+
+def at_once(served: Served, s: Sizes) -> list[dict[str, Any]]:
+    """GuideLLM starts with half the streams; once the server holds all of them (``/stats``), the
+    lab's client opens the other half; one row per client. GuideLLM's start takes seconds, so
+    waiting for its requests is what puts both halves in the same batches."""
+    target, half = served.target, s.streams // 2
+    target.need("stats", what="two clients reading one server at once")
+    first = target.current_step() if target.caps.lab else None
+    with guidellm(served, s, half) as (proc, finish):
+
+        def guidellm_in() -> bool:
+            seen = target.stats()
+            return proc.poll() is not None or seen["running"] + seen["waiting"] >= half
+
+        wait_for(guidellm_in, timeout=s.timeout, what="GuideLLM's requests at the server")
+        lab = lab_client(target, s, half)
+        theirs = finish()
+    period = {"at_once": True, "server_period_ms": server_period_ms(target, first)}
+    return [lab | period | {"tool": "lab client"}, theirs | period | {"tool": "GuideLLM"}]
 
 
 def server_period_ms(target: Target, first: int | None) -> float:
@@ -97,47 +126,86 @@ def server_period_ms(target: Target, first: int | None) -> float:
     return 1e3 * float(periods.median()) if len(periods) else float("nan")
 
 
-def lab_client(target: Target, s: Sizes) -> dict[str, Any]:
+def lab_client(target: Target, s: Sizes, streams: int | None = None) -> dict[str, Any]:
+    streams = streams or s.streams
     body = {"max_tokens": s.tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}} | ({"model": target.model} if target.model else {})  # fmt: skip
     requests = [
-        Request("/v1/completions", body | {"prompt": p}, "openai", headers=target.headers) for p in cycle(s.streams)
+        Request("/v1/completions", body | {"prompt": p}, "openai", headers=target.headers) for p in cycle(streams)
     ]
     launch = target.launch(requests)
     itl = [(st.token_times[-1] - st.token_times[0]) / (len(st.token_times) - 1) for st in launch.streams
            if len(st.token_times) > 1]  # fmt: skip
-    return {"tokens": launch.tokens, "tokens_per_s": launch.tokens_per_s, "itl_ms": 1e3 * float(np.median(itl)),
-            "failed": sum(1 for st in launch.streams if st.failure)}  # fmt: skip
+    return {"streams": streams, "tokens": launch.tokens, "tokens_per_s": launch.tokens_per_s,
+            "itl_ms": 1e3 * float(np.median(itl)), "failed": sum(1 for st in launch.streams if st.failure)}  # fmt: skip
 
 
 def run_guidellm(served: Served, s: Sizes) -> dict[str, Any]:
-    """One GuideLLM run of ``streams`` requests at concurrency ``streams``; its JSON read back."""
+    """One GuideLLM run of ``streams`` requests at concurrency ``streams``."""
+    with guidellm(served, s, s.streams) as (_, finish):
+        return finish()
+
+
+@contextlib.contextmanager
+def guidellm(
+    served: Served, s: Sizes, streams: int
+) -> Iterator[tuple[subprocess.Popen[bytes], Callable[[], dict[str, Any]]]]:
+    """GuideLLM started on ``streams`` requests at concurrency ``streams``, and a ``finish`` that
+    waits for it (``s.timeout``) and reads its JSON back; a program still running on the way out
+    is stopped."""
     with tempfile.TemporaryDirectory(prefix="labkit-guidellm-") as folder:
-        out = Path(folder) / "benchmarks.json"
+        out, log = Path(folder) / "benchmarks.json", Path(folder) / "guidellm.log"
         argv = [served.program, "run", "--disable-console-interactive",
                 "--backend", f"kind=openai_http,target={served.target.url},request_format=/v1/completions",
-                "--profile", f"kind=concurrent,streams={s.streams}",
-                "--constraint", f"kind=max_requests,count={s.streams}",
+                "--profile", f"kind=concurrent,streams={streams}",
+                "--constraint", f"kind=max_requests,count={streams}",
                 "--data", f"kind=synthetic_text,prompt_tokens={s.prompt_tokens},output_tokens={s.tokens}",
                 "--tokenizer", f"kind=huggingface_auto,model={smollm2_tokenizer_folder()}",
                 "--output", f"kind=json,path={out}"]  # fmt: skip
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "GUIDELLM__DEFAULT_RESULTS_DIR": folder}
-        done = subprocess.run(argv, capture_output=True, timeout=s.timeout, env=env, cwd=folder, check=False)
-        if done.returncode != 0 or not out.exists():
-            said = (done.stderr or done.stdout).decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-            raise RuntimeError(f"guidellm exited with {done.returncode}: {said[0][:300]}")
-        bench = json.loads(out.read_text())["benchmarks"][0]
+        with open(log, "wb") as sink:
+            proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=folder)
+
+        def finish() -> dict[str, Any]:
+            try:
+                code = proc.wait(timeout=s.timeout)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"guidellm ran past {s.timeout:g} s") from None
+            if code != 0 or not out.exists():
+                said = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+                raise RuntimeError(f"guidellm exited with {code}: {said[0][:300]}")
+            return guidellm_row(json.loads(out.read_text())["benchmarks"][0], streams)
+
+        try:
+            yield proc, finish
+        finally:
+            stop_process(proc)
+
+
+def guidellm_row(bench: dict[str, Any], streams: int) -> dict[str, Any]:
+    """GuideLLM's JSON benchmark as the lab client's row: its output tokens over its duration."""
     metrics = bench["metrics"]
     tokens = float(metrics["output_token_count"]["successful"]["total_sum"])
     totals = metrics["request_totals"]
-    return {"tokens": int(tokens), "tokens_per_s": tokens / bench["duration"],
+    return {"streams": streams, "tokens": int(tokens), "tokens_per_s": tokens / bench["duration"],
             "itl_ms": float(metrics["inter_token_latency_ms"]["successful"]["median"]),
             "failed": int(totals.get("errored", 0) + totals.get("incomplete", 0))}  # fmt: skip
 
 
 def tables(t: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
     rows = with_server_period(t["rows"]).assign(itl_over_period=lambda r: r.itl_ms / r.server_period_ms)
-    return {"tools": spread(rows, "tool", ["tokens_per_s", "itl_ms", "server_period_ms", "itl_over_period"])}
+    columns = ["tokens_per_s", "itl_ms", "server_period_ms", "itl_over_period"]
+    return {"tools": spread(in_turns(rows), "tool", columns), "at_once": spread(together(rows), "tool", columns)}
+
+
+def in_turns(rows: pd.DataFrame) -> pd.DataFrame:
+    """The runs in which one client read the server alone (every run, in data saved before the
+    clients also read it at once)."""
+    return rows[~rows.at_once.astype(bool)] if "at_once" in rows else rows
+
+
+def together(rows: pd.DataFrame) -> pd.DataFrame:
+    return rows[rows.at_once.astype(bool)] if "at_once" in rows else rows.iloc[:0]
 
 
 def agree(rows: pd.DataFrame, column: str) -> tuple[bool | None, str]:
@@ -152,17 +220,37 @@ def agree(rows: pd.DataFrame, column: str) -> tuple[bool | None, str]:
 
 def verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
     rows, n = t["rows"], len(t["rows"])
+    asked = rows.streams if "streams" in rows else s.streams
     bar = f"GuideLLM's median over the lab client's within {AGREE[0]:g}–{AGREE[1]:g}"
+    turns = in_turns(rows)
     return [
         judge("both clients whole", "every request of both clients ended at its length", "any failed",
-              n > 0 and int(rows.failed.sum()) == 0 and bool((rows.tokens == s.streams * s.tokens).all()),
+              n > 0 and int(rows.failed.sum()) == 0 and bool((rows.tokens == asked * s.tokens).all()),
               f"{int(rows.failed.sum())} failed; tokens per run {sorted(set(rows.tokens))}", checked=True),
-        judge("tokens/s agree", bar, "outside it", *agree(rows, "tokens_per_s")),
-        judge("inter-token latency agrees", bar, "outside it", *agree(rows, "itl_ms")),
+        judge("tokens/s agree", bar, "outside it", *agree(turns, "tokens_per_s")),
+        judge("inter-token latency agrees", bar, "outside it", *agree(turns, "itl_ms")),
         judge("each client reads the server's own pace", f"each client's inter-token latency over the server's "
               f"median decode period in the same run within {AGREE[0]:g}–{AGREE[1]:g}, every run", "a run outside it",
-              *own_pace(rows)),
+              *own_pace(turns)),
+        judge("read at once, the two agree", f"with each client reading half the streams in the same batches, "
+              f"GuideLLM's tokens/s and inter-token latency over the lab client's within {AGREE[0]:g}–{AGREE[1]:g}, "
+              "every run", "a run outside it", *agree_at_once(together(rows))),
     ]  # fmt: skip
+
+
+def agree_at_once(rows: pd.DataFrame) -> tuple[bool | None, str]:
+    """Each at-once run's two ratios, GuideLLM over the lab client: falsified by any outside
+    :data:`AGREE`; unclear where no run had both clients."""
+    read = {"tokens_per_s": "tokens/s", "itl_ms": "ITL"}
+    by = rows.pivot_table(index="repetition", columns="tool", values=list(read)) if len(rows) else None
+    if by is None or any((column, tool) not in by for column in read for tool in TOOLS):
+        return None, "no run read by both clients at once"
+    ratios = {column: (by[column]["GuideLLM"] / by[column]["lab client"]).dropna() for column in read}
+    said = "; ".join(f"GuideLLM/lab {name} {span(ratios[column])} over {len(ratios[column])} runs"
+                     for column, name in read.items())  # fmt: skip
+    if any(r.empty for r in ratios.values()):
+        return None, said
+    return bool(all(r.between(*AGREE).all() for r in ratios.values())), said
 
 
 def with_server_period(rows: pd.DataFrame) -> pd.DataFrame:
@@ -198,7 +286,7 @@ GUIDELLM = Experiment(
     title="The lab's client beside GuideLLM's concurrent profile: the same server, streams and length",
     sizes={"full": {"streams": 32, "tokens": 64, "prompt_tokens": 16, "repetitions": 3, "timeout": 300.0},
            "ci": {"streams": 8, "tokens": 16, "prompt_tokens": 16, "repetitions": 3, "timeout": 120.0}},
-    conditions=lambda s, target: [{"tool": tool} for tool in TOOLS],
+    conditions=lambda s, target: [{"tool": tool} for tool in (*TOOLS, AT_ONCE)],
     prepare=prepare,
     measure=measure,
     tables=tables,
