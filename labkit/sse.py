@@ -36,7 +36,8 @@ browser's ``EventSource`` keeps between events: ``last_event_id`` and the reconn
   invalid bytes into U+FFFD, and never corrupts a character split between two chunks.
 * A CR at the end of one chunk ends the line at once; an LF at the start of the next decoded
   text is then swallowed, so CRLF split across chunks is one line end, not two.
-* ``retry:`` with an empty value is ignored (it is not a number).
+* ``retry:`` with an empty value is ignored (it is not a number), and so is one of more than 18
+  digits (past any delay; Python refuses to convert more than 4,300 digits at all).
 * ``close()`` discards an unfinished event, as the end of a stream does in a browser, and the
   parser refuses further input.
 """
@@ -50,6 +51,7 @@ from dataclasses import dataclass
 __all__ = ["ServerSentEvent", "sse_event", "sse_comment", "ParsedEvent", "SSEParser", "parse"]
 
 _LINE_END = re.compile(r"\r\n|\r|\n")
+MAX_RETRY_DIGITS = 18  # a longer retry: is ignored (over 31 million years in ms)
 
 
 def _split_lines(text: str) -> list[str]:
@@ -224,7 +226,7 @@ class SSEParser:
             if "\0" not in value:
                 self._id_buffer = value
         elif name == "retry":
-            if value.isascii() and value.isdigit():
+            if value.isascii() and value.isdigit() and len(value) <= MAX_RETRY_DIGITS:
                 self.retry = int(value)
         # any other name is ignored, as the standard requires
 

@@ -123,6 +123,28 @@ async def redirect(w: Writer) -> None:
     await w.drain()
 
 
+def canned(head: str, body: bytes = b"", hold_s: float = 0.0) -> Behaviour:
+    """One answer as given: the head's lines (CRLF added), then ``body`` as it goes on the wire;
+    the connection then stays open ``hold_s`` seconds."""
+
+    async def behave(w: Writer) -> None:
+        w.write(head.replace("\n", "\r\n").encode() + b"\r\n\r\n" + body)
+        await w.drain()
+        await asyncio.sleep(hold_s)
+
+    return behave
+
+
+def sse_body(*payloads: str) -> bytes:
+    """Chunked SSE: one ``data:`` event per payload, then the end of the body."""
+    return b"".join(chunk(f"data: {p}\n\n".encode()) for p in payloads) + b"0\r\n\r\n"
+
+
+async def silent(w: Writer) -> None:
+    """Takes the request and never answers (the handler's own bound ends it)."""
+    await asyncio.sleep(60)
+
+
 @contextlib.contextmanager
 def hostile(behaviour: Behaviour) -> Iterator[str]:
     """A server answering every request with ``behaviour``; yields its URL."""

@@ -116,7 +116,7 @@ def test_the_chunk_verdict_counts_every_capture(part: int, several: int, outcome
 
 # -- the contract ----------------------------------------------------------------------------------
 def _event(event: str, data: dict[str, Any], nbytes: int = 60) -> TimedEvent:
-    return TimedEvent(0.0, nbytes, event, "", data)
+    return TimedEvent(0.0, nbytes, event, "", json.dumps(data))
 
 
 def labkit_pair(*, usage: dict[str, int] | None = None, rid: str = "req-1") -> tuple[Stream, Stream]:

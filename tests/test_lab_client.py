@@ -3,11 +3,16 @@ request an overall deadline that a trickle cannot reset, compression is declined
 is one clear line. Each test runs a misbehaving server on 127.0.0.1 (tests/hostile_helpers.py)."""
 from __future__ import annotations
 
+import gzip
+import json
 import resource
 import time
 
 import pytest
 from hostile_helpers import (
+    bomb,
+    canned,
+    chunk,
     cut_after_ids,
     cut_mid_chunk,
     endless_stream,
@@ -17,6 +22,8 @@ from hostile_helpers import (
     informational_flood,
     malformed,
     redirect,
+    silent,
+    sse_body,
     trickle_json,
     trickle_stream,
 )
@@ -60,11 +67,10 @@ def test_a_huge_json_answer_is_refused_at_the_json_cap():
 
 
 def test_a_gzip_bomb_is_never_inflated():
-    """The client asks for identity and never decodes: the half megabyte stays half a megabyte."""
+    """The client asks for identity, so a gzip answer is refused by name, never decoded."""
     before = peak_rss_mib()
-    with hostile(gzip_bomb) as url:
-        status, body = get_json(url, "/v1/models", timeout=30)
-    assert status == 200 and isinstance(body, str) and len(body) < 2 << 20
+    with hostile(gzip_bomb) as url, pytest.raises(OSError, match="Content-Encoding: gzip, where the client asked for identity"):
+        get_json(url, "/v1/models", timeout=30)
     assert peak_rss_mib() - before < 200
 
 
@@ -128,8 +134,9 @@ def test_a_raw_read_of_a_refusal_keeps_the_json_body():
 
 @pytest.mark.parametrize("api", ["labkit", "openai"])
 @pytest.mark.parametrize("payload", [b'{"id": "x", "text": 1}', b'{"choices": [1, "a"]}', b"[" * 50000,
-                                     b'{"choices": [{"text": {"a": 1}, "finish_reason": null}]}'],
-                         ids=["bad-id", "bad-choices", "deep", "text-not-a-string"])
+                                     b'{"choices": [{"text": {"a": 1}, "finish_reason": null}]}',
+                                     b'{"id": 1e999, "text": "x"}'],
+                         ids=["bad-id", "bad-choices", "deep", "text-not-a-string", "id-past-any-integer"])
 @pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])
 def test_a_malformed_event_is_the_stream_s_error_never_a_crash(api, payload, raw):
     with hostile(malformed(payload)) as url:
@@ -145,3 +152,126 @@ def test_interim_answers_without_end_count_toward_the_cap():
     with hostile(informational_flood) as url:
         stream = completion(Target(url), ReadOptions(timeout=30, max_bytes=1 << 20, keep_wire=True), raw=True)
     assert stream.error == "the answer passed the client's cap of 1,048,576 bytes" and len(stream.wire) < 3 << 20
+
+
+OPENAI = "HTTP/1.1 200 OK\ncontent-type: text/event-stream\ntransfer-encoding: chunked"
+
+
+def _choice(text: str, finish: str | None = None) -> str:
+    return json.dumps({"choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+
+
+def _openai(*payloads: str, head: str = OPENAI, raw: bool = False, **options) -> object:
+    with hostile(canned(head, sse_body(*payloads))) as url:
+        return completion(Target(url, api="openai"), ReadOptions(timeout=10, **options), raw=raw)
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])
+def test_one_chunk_of_many_choices_is_no_tokens_but_an_error(raw):
+    """The lab asks for one choice: a chunk of 500 empty choices and one real one is not 501 tokens."""
+    many = json.dumps({"choices": [{}] * 500 + [{"index": 0, "text": "x", "finish_reason": None}]})
+    stream = _openai(_choice("a"), many, _choice("", "length"), "[DONE]", raw=raw)
+    assert stream.chunks == 1 and stream.tokens == 1 and not stream.ok
+    assert "501 choices in one chunk" in stream.failure
+
+
+def test_a_choice_that_is_neither_a_token_nor_an_end_is_not_counted():
+    stream = _openai(_choice("a"), json.dumps({"choices": [{}]}), _choice("b"), _choice("", "length"), "[DONE]")
+    assert (stream.chunks, stream.text, stream.ok) == (2, "ab", True)
+
+
+@pytest.mark.parametrize("count", [-7, True, 10**21, "5", 9], ids=["negative", "bool", "huge", "text", "over-max"])
+def test_a_usage_count_that_is_no_count_is_an_error_and_never_the_tokens(count):
+    usage = json.dumps({"choices": [], "usage": {"completion_tokens": count}})
+    stream = _openai(_choice("a"), _choice("b"), _choice("", "length"), usage, "[DONE]")
+    assert stream.tokens == 2 and not stream.ok and "is not a count of at most 8" in stream.failure
+
+
+def test_a_usage_count_within_the_request_s_limit_is_the_tokens():
+    usage = json.dumps({"choices": [], "usage": {"completion_tokens": 8}})
+    stream = _openai(_choice("ab"), _choice("", "length"), usage, "[DONE]")
+    assert (stream.tokens, stream.chunks, stream.ok) == (8, 1, True)
+
+
+@pytest.mark.parametrize("end", ["[DONE]", _choice("", "length")], ids=["after-done", "after-finish"])
+def test_tokens_after_the_stream_s_end_are_an_error_not_tokens(end):
+    stream = _openai(_choice("a"), end, *[_choice("more")] * 100, "[DONE]")
+    assert stream.chunks == 1 and not stream.ok and "after the" in stream.failure
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])
+def test_an_event_past_the_per_event_cap_ends_the_read(raw):
+    stream = _openai(_choice("a"), _choice("x" * (2 << 20)), "[DONE]", raw=raw, max_event_bytes=1 << 20)
+    assert stream.error == "an event passed the client's cap of 1,048,576 bytes of data" and stream.chunks == 1
+
+
+def test_a_stream_of_tiny_json_keeps_about_its_wire_size():
+    """Two thousand events of 2,000 empty objects each (12 MB on the wire) are kept as text: parsed
+    at once they would be a gigabyte of dicts."""
+    before = peak_rss_mib()
+    event = json.dumps({"x": [{}] * 2000})
+    with hostile(canned(OPENAI, b"".join(chunk(f"data: {event}\n\n".encode()) for _ in range(2000)) + b"0\r\n\r\n")) as url:
+        stream = completion(Target(url, api="openai"), ReadOptions(timeout=30))
+    assert len(stream.events) == 2000 and stream.error is None
+    assert peak_rss_mib() - before < 150
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])
+def test_a_media_type_is_read_whatever_its_case(raw):
+    stream = _openai(_choice("a"), _choice("", "length"), "[DONE]", raw=raw,
+                     head=OPENAI.replace("text/event-stream", "Text/Event-Stream"))  # fmt: skip
+    assert stream.ok and stream.chunks == 1
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])
+def test_a_compressed_stream_not_asked_for_is_refused_by_name(raw):
+    body = gzip.compress(f"data: {_choice('a')}\n\ndata: [DONE]\n\n".encode())
+    head = f"HTTP/1.1 200 OK\ncontent-type: text/event-stream\ncontent-encoding: gzip\ncontent-length: {len(body)}"
+    with hostile(canned(head, body)) as url:
+        stream = completion(Target(url, api="openai"), ReadOptions(timeout=10), raw=raw)
+    assert "Content-Encoding: gzip, where the client asked for identity" in stream.failure
+
+
+def test_with_gzip_asked_for_a_bomb_inflates_no_further_than_the_cap():
+    before = peak_rss_mib()
+    body = bomb()
+    head = f"HTTP/1.1 200 OK\ncontent-type: text/event-stream\ncontent-encoding: gzip\ncontent-length: {len(body)}"
+    with hostile(canned(head, body)) as url:
+        stream = completion(Target(url, api="openai"), ReadOptions(timeout=30, gzip=True, max_bytes=4 << 20))
+    assert stream.error == "the stream passed the client's cap of 4,194,304 bytes"
+    assert stream.total_bytes <= (4 << 20) + (1 << 20), "inflated a megabyte at a time"
+    assert peak_rss_mib() - before < 200
+
+
+def test_with_gzip_asked_for_stacked_layers_are_refused_by_name():
+    body = gzip.compress(bomb())
+    head = f"HTTP/1.1 200 OK\ncontent-type: text/event-stream\ncontent-encoding: gzip, gzip\ncontent-length: {len(body)}"
+    with hostile(canned(head, body)) as url:
+        stream = completion(Target(url, api="openai"), ReadOptions(timeout=30, gzip=True))
+    assert "Content-Encoding: gzip, gzip, where the client asked for one layer of gzip" in stream.failure
+    assert stream.total_bytes == 0
+
+
+def test_a_json_read_of_an_event_stream_stops_at_the_json_cap():
+    with hostile(endless_stream) as url, pytest.raises(OSError, match=f"cap of {JSON_CAP:,} bytes"):
+        get_json(url, "/v1/models", timeout=30)
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])
+def test_a_server_that_never_answers_ends_at_the_bound_in_one_clear_line(raw):
+    with hostile(silent) as url:
+        stream = completion(Target(url), ReadOptions(timeout=2.0), raw=raw)
+    assert stream.error == "no end within the 2 s bound of one request"
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])
+def test_a_body_that_does_not_end_with_its_stream_is_waited_for_briefly(raw):
+    """[DONE], then the connection stays open: the tokens are kept, and the read ends a drain's
+    time later saying why, not at the request's bound."""
+    body = chunk(f"data: {_choice('a')}\n\n".encode()) + chunk(b"data: [DONE]\n\n")
+    with hostile(canned(OPENAI, body, hold_s=30)) as url:
+        started = time.monotonic()
+        stream = completion(Target(url, api="openai"), ReadOptions(timeout=20, drain_after_fin_s=1.0), raw=raw)
+    assert stream.chunks == 1 and stream.completed
+    assert stream.error == "the body did not end within 1 s of the stream's end"
+    assert time.monotonic() - started < 5

@@ -6,6 +6,7 @@ are. (The hostile cases, where a server misbehaves, are in test_lab_client.py.)
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 
@@ -13,7 +14,7 @@ import pytest
 
 from labkit.lab import LocalLab, ReadOptions, Request, Stream
 from labkit.lab.client import percentile, read, run_sync
-from labkit.lab.stream import EventSplitter
+from labkit.lab.stream import EventSplitter, TimedEvent
 from labkit.sse import sse_comment, sse_event
 
 SHORT = Request("/v1/stream", {"prompt": "The capital of Italy is", "max_new_tokens": 12, "ignore_eos": True})
@@ -87,10 +88,8 @@ def test_openai_chunks_are_read_as_tokens_finish_and_usage():
                  {"choices": [{"delta": {"content": "Hi"}, "finish_reason": None}]},
                  {"choices": [{"delta": {"content": " there"}, "finish_reason": None}]},
                  {"choices": [{"delta": {}, "finish_reason": "length"}]},
-                 {"choices": [], "usage": {"completion_tokens": 2}}, {"raw": "[DONE]"}):  # fmt: skip
-        from labkit.lab.stream import TimedEvent
-
-        stream.add(TimedEvent(1.0, 10, "message", "", data))
+                 {"choices": [], "usage": {"completion_tokens": 2}}, "[DONE]"):  # fmt: skip
+        stream.add(TimedEvent(1.0, 10, "message", "", data if isinstance(data, str) else json.dumps(data)))
     assert (stream.chunks, stream.tokens, stream.text, stream.finish_reason) == (2, 2, "Hi there", "length")
     assert stream.completed
 

@@ -62,7 +62,7 @@ def test_a_resume_request_carries_the_stream_s_token_and_its_last_id():
     from labkit.lab.stream import Stream, TimedEvent
 
     stream = Stream(request_id="req-1", last_event_id="7")
-    stream.add(TimedEvent(0.0, 10, "start", "1", {"request_id": "req-1", "resume_token": "secret"}))
+    stream.add(TimedEvent(0.0, 10, "start", "1", '{"request_id": "req-1", "resume_token": "secret"}'))
     target = Target("http://127.0.0.1:1", api="labkit", api_key="key")
     request = target.resume_request(stream)
     assert (request.method, request.path, request.body) == ("GET", "/v1/streams/req-1/events", None)

@@ -212,6 +212,13 @@ def test_retry_not_made_of_ascii_digits_is_ignored(value: str) -> None:
     assert parser.retry == 100 and events[0].retry == 100
 
 
+@pytest.mark.parametrize("digits", [19, 5000], ids=["past-any-delay", "past-python-s-conversion-limit"])
+def test_retry_of_more_digits_than_any_delay_is_ignored_and_the_stream_goes_on(digits: int) -> None:
+    events, parser = run_parser([b"retry: 100\n\n", b"retry: " + b"9" * digits + b"\ndata: x\n\ndata: y\n\n"])
+    assert parser.retry == 100 and [e.data for e in events] == ["x", "y"]
+    assert run_parser([b"retry: " + b"9" * 18 + b"\n"])[1].retry == 10**18 - 1
+
+
 def test_retry_takes_effect_without_an_event_being_dispatched() -> None:
     _, parser = run_parser([b"retry: 42\n"])
     assert parser.retry == 42

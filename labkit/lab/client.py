@@ -9,8 +9,9 @@ linger and closes.
 
 Bounded against a hostile server: every request has an overall deadline (``timeout``; a trickle
 of one byte a second cannot reset it), every body a size cap, and compression is declined
-(``Accept-Encoding: identity``) unless ``ReadOptions.gzip`` asks for it, whose decoded bytes the
-caps then count, so a small gzip bomb cannot become gigabytes here. Proxies from
+(``Accept-Encoding: identity``) unless ``ReadOptions.gzip`` asks for it. Then one gzip layer is
+inflated here, a megabyte at a time, and the caps count the inflated bytes, so a small gzip bomb
+cannot become gigabytes; an encoding not asked for (or stacked) is refused by name. Proxies from
 the environment are not used: the lab measures a direct route.
 """
 
@@ -22,7 +23,8 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Sequence
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -47,7 +49,8 @@ __all__ = [
 
 T = TypeVar("T")
 JSON_CAP = 8 << 20  # bytes of a JSON answer the client reads at most
-HEAD_ROOM = 1 << 20  # bytes of heads (and 1xx answers) the raw reader takes beyond a stream's cap
+MIB = 1 << 20
+HEAD_ROOM = MIB  # bytes of heads (and 1xx answers) the raw reader takes beyond a stream's cap
 BASE_HEADERS = {"Accept-Encoding": "identity", "Accept": "text/event-stream, application/json"}
 
 
@@ -87,6 +90,8 @@ async def read(
     options = options or ReadOptions()
     result = result if result is not None else Stream(api=request.api)
     result.api, result.sent = request.api, time.perf_counter()
+    asked = (request.body or {}).get("max_tokens")
+    result.max_tokens = asked if type(asked) is int else None
     raw = raw or leave is not None or hold is not None or not options.read or options.rcvbuf is not None
     raw = raw or options.keep_wire  # only the raw reader owns its socket and sees every byte
     # a planned leave in time is kept to the moment by the raw reader (httpx waits for the head first)
@@ -105,10 +110,13 @@ async def read(
             result.left, result.left_at = options.leave_by, time.perf_counter()  # the planned leave came first
         elif result.left is None:
             result.error = f"no end within the {options.timeout:g} s bound of one request"
+    except httpx.TimeoutException:  # httpx's own timeout is the request's bound
+        result.error = f"no end within the {options.timeout:g} s bound of one request"
     except (httpx.ConnectError, ConnectionRefusedError) as exc:
         result.error = f"cannot connect ({'connection refused' if _refused(exc) else exc})"
     except (httpx.HTTPError, OSError, h11.ProtocolError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"[:300]
+        said = str(exc) or str(exc.__cause__ or exc.__context__ or "") or "no detail"  # httpx's are often empty
+        result.error = f"{type(exc).__name__}: {said}"[:300]
     except (ValueError, RecursionError, UnicodeError) as exc:  # an answer no parser could read
         result.error = f"an unreadable answer: {type(exc).__name__}: {exc}"[:300]
     result.ended = result.ended or time.perf_counter()
@@ -139,21 +147,25 @@ async def _httpx(client: httpx.AsyncClient, request: Request, options: ReadOptio
     async with client.stream(request.method, request.path, content=body, headers=headers) as response:
         _note_head(result, response.status_code, dict(response.headers), time.perf_counter())
         sock = _socket(response)
+        chunks = _decoded(response.aiter_raw(), result.headers.get("content-encoding", ""), options.gzip)
         if not result.content_type.startswith("text/event-stream"):
-            result.body = json_or_text(await _capped(response.aiter_raw(), JSON_CAP, result))
+            result.body = json_or_text(await _capped(chunks, JSON_CAP, result))
             result.ended = time.perf_counter()
             return
         splitter = EventSplitter()
         deadline = None if options.leave_after_s is None else result.sent + options.leave_after_s
-        chunks = response.aiter_bytes() if options.gzip else response.aiter_raw()
         while not _should_leave(result, options):
-            left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            ends = _body_end_by(result, options) if result.closed else deadline
+            left = None if ends is None else max(0.0, ends - time.perf_counter())
             try:
                 chunk = await asyncio.wait_for(chunks.__anext__(), left)
             except StopAsyncIteration:
                 result.ended = time.perf_counter()
                 break
             except TimeoutError:
+                if result.closed:  # the stream ended, its body did not: the connection is closed on the way out
+                    _unended(result, options)
+                    return
                 break
             result.reads += 1
             if not _take(result, splitter, chunk, time.perf_counter(), options):
@@ -174,6 +186,24 @@ def _drain_stream(response: httpx.Response) -> Any:
     return None if stream is None else (lambda: stream.read(65536))
 
 
+async def _decoded(chunks: AsyncIterator[bytes], coding: str, gzip: bool) -> AsyncIterator[bytes]:
+    """The body's bytes as sent, or with one gzip layer inflated (when asked for) a megabyte at a
+    time, so that the caps downstream see every inflated byte before more is made; an encoding
+    that was not asked for, or more than one layer, is an error naming it."""
+    coding = coding.strip().lower()
+    if coding not in ("", "identity") and not (gzip and coding == "gzip"):
+        asked = "one layer of gzip" if gzip else "identity"
+        raise httpx.DecodingError(f"an answer in Content-Encoding: {coding[:60]}, where the client asked for {asked}")
+    inflate = zlib.decompressobj(wbits=31) if coding == "gzip" else None
+    async for chunk in chunks:
+        while inflate is not None and chunk:
+            out, chunk = inflate.decompress(chunk, MIB), inflate.unconsumed_tail
+            if out:
+                yield out
+        if inflate is None:
+            yield chunk
+
+
 async def _capped(chunks: Any, cap: int, result: Stream) -> bytes:
     kept = bytearray()
     async for chunk in chunks:
@@ -189,7 +219,7 @@ async def _capped(chunks: Any, cap: int, result: Stream) -> bytes:
 
 def _note_head(result: Stream, status: int, headers: dict[str, str], now: float) -> None:
     result.headers_at, result.status, result.headers = now, status, headers
-    result.content_type = headers.get("content-type", "")
+    result.content_type = headers.get("content-type", "").lower()  # media types are case-insensitive
     result.request_id = headers.get("x-request-id")
 
 
@@ -203,10 +233,25 @@ def _take(result: Stream, splitter: EventSplitter, chunk: bytes, now: float, opt
         if len(result.events) >= options.max_events:
             result.error = f"the stream passed the client's cap of {options.max_events:,} events"
             return False
+        if len(event.raw) > options.max_event_bytes // 4 and len(event.raw.encode()) > options.max_event_bytes:
+            result.error = f"an event passed the client's cap of {options.max_event_bytes:,} bytes of data"
+            return False
         result.add(event)
     # after every read, not only at the end: a stream cut mid-way keeps the id to resume from
     result.unfinished_bytes, result.last_event_id = splitter.pending, splitter.parser.last_event_id
     return True
+
+
+def _body_end_by(result: Stream, options: ReadOptions) -> float:
+    """When reading stops: the request's bound, or ``drain_after_fin_s`` after the stream's own
+    end (a done or error event, ``[DONE]``) for a body that does not end with it."""
+    ends = result.sent + options.bound_s
+    return min(ends, result.events[-1].time + options.drain_after_fin_s) if result.closed and result.events else ends
+
+
+def _unended(result: Stream, options: ReadOptions) -> None:
+    result.error = f"the body did not end within {options.drain_after_fin_s:g} s of the stream's end"
+    result.ended = time.perf_counter()
 
 
 def _should_leave(result: Stream, options: ReadOptions) -> bool:
@@ -305,8 +350,10 @@ async def _read_raw(
     flag = asyncio.ensure_future(leave.wait())
     try:
         while not leave.is_set() and not _should_leave(result, options):
-            left = result.sent + options.bound_s - time.perf_counter()
+            left = _body_end_by(result, options) - time.perf_counter()
             if left <= 0:
+                if result.closed:
+                    _unended(result, options)
                 return
             recv = asyncio.ensure_future(loop.sock_recv(sock, options.read_bytes))
             await asyncio.wait({recv, flag}, timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED)
@@ -314,6 +361,8 @@ async def _read_raw(
                 recv.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await recv
+                if result.closed and not leave.is_set():
+                    _unended(result, options)
                 return
             data = recv.result()
             received += len(data)
@@ -350,6 +399,12 @@ def _raw_events(conn: h11.Connection, result: Stream, splitter: EventSplitter, k
         if isinstance(event, h11.Response):
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
             _note_head(result, event.status_code, headers, now)
+            if headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
+                result.error = (
+                    f"an answer in Content-Encoding: {headers['content-encoding'][:60]}, where the "
+                    "client asked for identity"
+                )
+                return True
         elif isinstance(event, h11.Data):
             if result.content_type.startswith("text/event-stream"):
                 if not _take(result, splitter, bytes(event.data), now, o):
@@ -408,7 +463,7 @@ def get_json(url: str, path: str, *, timeout: float = 10.0, headers: dict[str, s
     """``GET url+path``: the status and the JSON (or text) body, read within ``timeout`` seconds
     and :data:`JSON_CAP` bytes in all; raises ``OSError`` when either is passed."""
     request = Request(path, None, method="GET", headers=headers or {}, stream=False)
-    answer = run_sync(read(url, request, ReadOptions(timeout=timeout)))
+    answer = run_sync(read(url, request, ReadOptions(timeout=timeout, max_bytes=JSON_CAP)))
     if answer.status == 0 or (answer.error and not answer.error.startswith("HTTP")):
         raise OSError(answer.error or "no answer")
     return answer.status, answer.body

@@ -9,8 +9,12 @@ values: the engine stamps its records with the same clock, so a client's times a
 server's compare directly.
 
 Every read is bounded, because a target may be hostile: ``ReadOptions.timeout`` bounds the whole
-request, ``max_bytes`` a stream's body and ``max_events`` the events kept; going past a bound ends
-the read with an ``error`` naming it.
+request, ``max_bytes`` a stream's body, ``max_event_bytes`` one event's data and ``max_events`` the
+events kept; going past a bound ends the read with an ``error`` naming it. An event is kept as the
+text it came as and parsed when read, so what a stream holds is about the size of its wire bytes
+(parsed JSON can be 30 times larger: a ``{}`` of 2 bytes is a 64-byte dict). And an answer is
+read as the one asked for: one choice a chunk (``n`` is 1), a token count that is a count within
+``max_tokens``, nothing after the stream's end; anything else is a ``stream_error``, never tokens.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ class ReadOptions:
     ``pace`` seconds are slept after every read (a slow reader). ``leave_after_tokens=0`` leaves
     once the head is in; ``leave_after_s`` counts from sending; the first of these, or
     ``timeout``, ends the read and the client leaves by ``leave_by``. After a FIN it reads on,
-    uncounted, for at most ``drain_after_fin_s`` so the close stays a FIN. The raw reader alone
+    uncounted, for at most ``drain_after_fin_s`` so the close stays a FIN (so a read can last
+    that long past ``timeout``); after the stream's own end (a done event, ``[DONE]``) it waits as
+    long for the body's end, then closes and says so. The raw reader alone
     honours ``read_bytes`` (the most one read takes), ``read=False`` (never read a byte) and
     ``rcvbuf`` (``SO_RCVBUF`` before connecting, which stops Linux from growing it) and
     ``keep_wire`` (keep every byte received, head and chunked framing, in ``Stream.wire``: what
@@ -55,6 +61,7 @@ class ReadOptions:
     rcvbuf: int | None = None
     keep_wire: bool = False
     max_bytes: int = 64 * MiB
+    max_event_bytes: int = MiB
     max_events: int = 200_000
     gzip: bool = False
 
@@ -63,8 +70,8 @@ class ReadOptions:
             raise ValueError(f"ReadOptions.leave_by must be 'fin' or 'rst', got {self.leave_by!r}")
         if self.pace < 0 or not 0 < self.timeout <= 24 * 3600 or self.read_bytes < 1:
             raise ValueError("ReadOptions: need pace >= 0, 0 < timeout <= 1 day and read_bytes >= 1")
-        if min(self.max_bytes, self.max_events) < 1:
-            raise ValueError("ReadOptions.max_bytes and max_events must be >= 1")
+        if min(self.max_bytes, self.max_event_bytes, self.max_events) < 1:
+            raise ValueError("ReadOptions.max_bytes, max_event_bytes and max_events must be >= 1")
         if not self.read and self.leave_after_s is None:
             raise ValueError("ReadOptions: a client that never reads (read=False) needs leave_after_s")
 
@@ -74,16 +81,26 @@ class ReadOptions:
         return self.timeout if self.leave_after_s is None else min(self.timeout, self.leave_after_s)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TimedEvent:
     """One event as it reached the client; ``nbytes`` counts the wire bytes since the previous
-    complete event, so comments (pings, padding) are charged to the event that follows them."""
+    complete event, so comments (pings, padding) are charged to the event that follows them.
+    ``raw`` is its data field as sent; :attr:`data` parses it on every read."""
 
     time: float
     nbytes: int
     event: str
     id: str
-    data: dict[str, Any]
+    raw: str
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """The data as a JSON object; anything else as ``{"raw": ...}``."""
+        try:
+            value = json.loads(self.raw)
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than Python recurses
+            return {"raw": self.raw[:200]}
+        return value if isinstance(value, dict) else {"raw": value}
 
 
 @dataclass
@@ -117,6 +134,8 @@ class Stream:
     usage: dict[str, Any] | None = None
     stream_error: str | None = None  # an error event or error chunk inside the stream
     completed: bool = False  # reached its own end: a done/error event, a finish reason, [DONE]
+    max_tokens: int | None = None  # what the request asked for: a usage count above it is no count
+    closed: bool = False  # a done/error event or [DONE]: no event may follow
 
     def add(self, event: TimedEvent) -> None:
         """Interpret one event; a payload of the wrong shape ends nothing but is said in
@@ -124,44 +143,63 @@ class Stream:
         self.events.append(event)
         try:
             self._interpret(event, event.data)
-        except (TypeError, ValueError, AttributeError, KeyError) as exc:
+        except (TypeError, ValueError, AttributeError, KeyError, ArithmeticError) as exc:
             self.stream_error = self.stream_error or f"malformed event {event.id or len(self.events)}: {exc}"[:200]
 
     def _interpret(self, event: TimedEvent, data: dict[str, Any]) -> None:
+        if self.closed:
+            raise ValueError("an event after the stream's end")
         if self.api == "labkit":
             if event.event == "token":
+                token_id, piece = int(data.get("id", -1)), str(data.get("text", ""))  # may raise: nothing kept then
                 self.token_times.append(event.time)
-                self.token_ids.append(int(data.get("id", -1)))
-                self.pieces.append(str(data.get("text", "")))
+                self.token_ids.append(token_id)
+                self.pieces.append(piece)
             elif event.event == "done":
-                self.finish_reason, self.usage, self.completed = data.get("finish_reason"), data.get("usage"), True
+                self.finish_reason, self.usage = data.get("finish_reason"), data.get("usage")
+                self.completed = self.closed = True
             elif event.event == "error":
                 err: dict[str, Any] = data["error"] if isinstance(data.get("error"), dict) else {}
-                self.finish_reason, self.completed = str(err.get("type", "error")), True
+                self.finish_reason, self.completed, self.closed = str(err.get("type", "error")), True, True
                 self.stream_error = str(err.get("message", err))[:200]
             return
         if data.get("raw") == "[DONE]":
-            self.completed = True
+            self.completed = self.closed = True
             return
         if isinstance(data.get("usage"), dict):
-            self.usage = data["usage"]
+            self.usage = self._counted(data["usage"])
         if isinstance(data.get("error"), dict):
             self.stream_error = str(data["error"].get("message", data["error"]))[:200]
-        for choice in data.get("choices") or []:
+        choices = data.get("choices") or []
+        if not isinstance(choices, list) or len(choices) > 1:
+            raise ValueError(f"{len(choices)} choices in one chunk, where one was asked for")
+        for choice in choices:
             delta = choice.get("delta") or {}
             piece = choice.get("text", delta.get("content")) or ""
+            if not ("text" in choice or "content" in delta or choice.get("finish_reason") is not None):
+                continue  # neither a token nor an end: a role, a tool call, an empty {}
+            if self.finish_reason is not None:
+                raise ValueError("a chunk after the finish reason")
             if choice.get("finish_reason") is not None:  # the answer is whole; [DONE] is optional
                 self.finish_reason, self.completed = choice["finish_reason"], True
             elif piece or "role" not in delta:
                 self.token_times.append(event.time)
             self.pieces.append(str(piece))
 
+    def _counted(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """``usage`` if its ``completion_tokens`` is a count (an int, not a bool, from 0 to the
+        request's ``max_tokens``); a server's arithmetic must not become the lab's tokens/s."""
+        n = usage.get("completion_tokens")
+        if n is not None and (type(n) is not int or n < 0 or (self.max_tokens is not None and n > self.max_tokens)):
+            raise ValueError(f"usage.completion_tokens {str(n)[:40]} is not a count of at most {self.max_tokens}")
+        return usage
+
     # -- what a table reads ---------------------------------------------------------------------
     @property
     def tokens(self) -> int:
         """Tokens generated: labkit's token events; for OpenAI, usage when sent, else chunks."""
         counted = (self.usage or {}).get("completion_tokens") if self.api != "labkit" else None
-        return int(counted) if isinstance(counted, int) else len(self.token_times)
+        return counted if type(counted) is int else len(self.token_times)
 
     @property
     def chunks(self) -> int:
@@ -237,7 +275,7 @@ class EventSplitter:
         self._pending += len(piece)
         events = []
         for parsed in self.parser.feed(piece):
-            events.append(TimedEvent(now, self._pending, parsed.event, parsed.id, _payload(parsed.data)))
+            events.append(TimedEvent(now, self._pending, parsed.event, parsed.id, parsed.data))
             self._pending = 0
         self._completed_at_cr = bool(events) and piece.endswith(b"\r")
         return events
@@ -249,14 +287,6 @@ class EventSplitter:
 
 
 _LINE_END = re.compile(rb"[\r\n]")
-
-
-def _payload(data: str) -> dict[str, Any]:
-    try:
-        value = json.loads(data)
-    except (ValueError, RecursionError):  # not JSON, or nested deeper than Python recurses
-        return {"raw": data[:200]}
-    return value if isinstance(value, dict) else {"raw": value}
 
 
 def json_or_text(raw: bytes) -> Any:
