@@ -96,6 +96,10 @@ def _uvicorn_server(app: Any, config: ServiceConfig) -> Any:
         http=protocol,
         lifespan="on",
         timeout_keep_alive=max(1, round(config.http.idle_timeout)),
+        # uvicorn would believe X-Forwarded-For from any loopback peer, and a client could then
+        # name itself anew on every request (the resumable share is per client)
+        proxy_headers=bool(config.http.forwarded_allow_ips),
+        forwarded_allow_ips=list(config.http.forwarded_allow_ips) or None,
         timeout_graceful_shutdown=max(0.1, reserve / 2),  # type: ignore[arg-type]  # uvicorn takes seconds as a float
     )
     return LabServer(uv_config)

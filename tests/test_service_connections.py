@@ -10,6 +10,7 @@ socket at each request, so sockets that never sent a byte got a served keep-aliv
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import select
@@ -19,6 +20,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 from service_helpers import TIMEOUT, RawClient, lab_server, wait_until
 
 
@@ -283,3 +285,30 @@ def test_a_client_that_half_closes_in_the_middle_of_its_body_is_not_served(tiny_
         assert read_until_closed(sock) == b""
         sock.close()
         assert server.hub.stats().ends == {}  # nothing was submitted
+
+
+MALFORMED = {
+    "two-lengths": b"POST /v1/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
+    "signed-length": b"POST /v1/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: +5\r\n\r\nhello",
+    "no-host": b"GET /healthz HTTP/1.1\r\n\r\n",
+    "space-in-a-name": b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Name: x\r\n\r\n",
+    "head-past-16-kib": b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Pad: " + b"a" * 40_000 + b"\r\n\r\n",
+    "bad-chunk-size": b"POST /v1/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Transfer-Encoding: chunked\r\n\r\nzz\r\n",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("request_bytes", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_request_h11_cannot_read_gets_a_400_in_the_envelope_and_a_close(server: Any, request_bytes: bytes) -> None:
+    """(A head past h11's limit is refused only while incomplete: it goes in two pieces.)"""
+    sock = connect(server)
+    sock.sendall(request_bytes[:20_000])
+    time.sleep(0.2)
+    with contextlib.suppress(OSError):  # closed after the first piece
+        sock.sendall(request_bytes[20_000:])
+    raw = read_until_closed(sock)
+    sock.close()
+    assert raw.count(b"HTTP/1.1 ") == 1, raw
+    status, body, headers = status_and_body(raw)
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert body["error"]["type"] == "invalid_request" and "malformed" in body["error"]["message"]

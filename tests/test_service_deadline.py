@@ -99,6 +99,20 @@ def test_an_impossible_deadline_gets_429_with_retry_after_before_any_body(tiny_g
         held.close_rst()
 
 
+@pytest.mark.parametrize("tokens", [10**18, 10**400], ids=["past-the-context", "past-any-float"])
+@pytest.mark.parametrize("path, body", ROUTES, ids=[p for p, _ in ROUTES])
+def test_a_request_that_can_never_fit_is_a_422_whatever_its_deadline(tiny_gpt2: Any, path: str, body: dict,
+                                                                     tokens: int) -> None:  # fmt: skip
+    """Not a 429 to retry (the gate predicting 10**18 steps), nor a 500 (10**400 steps as a float)."""
+    limit = "max_tokens" if "max_tokens" in body else "max_new_tokens"
+    with lab_server(tiny_gpt2, max_batch=1) as server:
+        held = occupy_a_slot(server)  # the gate has steps to predict from, and a queue
+        response = httpx.post(server.url + path, json={**body, limit: tokens, "deadline_s": 3600}, timeout=TIMEOUT)
+        assert response.status_code == 422 and response.json()["error"]["type"] == "prompt_too_long", response.text
+        assert refusals(server.url) == 0
+        held.close_rst()
+
+
 def test_without_a_deadline_the_same_request_is_never_refused(tiny_gpt2: Any) -> None:
     with lab_server(tiny_gpt2, max_batch=1) as server:
         held = occupy_a_slot(server)

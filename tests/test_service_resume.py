@@ -178,6 +178,19 @@ def test_one_client_may_hold_only_its_share_of_the_resumable_streams(tiny_gpt2: 
             stream.close_fin()
 
 
+@pytest.mark.parametrize("trusted", [(), ("127.0.0.1",)], ids=["no-proxy", "loopback-a-proxy"])
+def test_a_client_names_itself_in_x_forwarded_for_only_through_a_trusted_proxy(tiny_gpt2: Any, trusted) -> None:
+    """One peer that says it is two clients: by default it is one (its share is spent), and only
+    when its address is a proxy the server was told to trust does the header name the client."""
+    with lab_server(tiny_gpt2, max_resumable=2, resumable_share=0.5, forwarded_allow_ips=trusted) as server:
+        first = RawClient(server.url).post("/v1/stream", {**BODY, "max_new_tokens": 300})
+        first.read_events(2)
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT, headers={"X-Forwarded-For": "10.0.0.7"}) as http:
+            second = http.post("/v1/stream", json={**BODY, "max_new_tokens": 4})
+        assert second.status_code == (200 if trusted else 429), second.text
+        first.close_rst()
+
+
 # -- only the creator can resume -------------------------------------------------------------------
 def refusal(client: httpx.Client, rid: str, headers: dict[str, str], params: dict[str, str]) -> dict[str, Any]:
     response = client.get(f"/v1/streams/{rid}/events", headers=headers, params=params)

@@ -114,3 +114,28 @@ def test_labkit_serve_exits_cleanly_within_the_drain_grace_on_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow
+def test_a_sync_stream_sleeping_in_a_worker_thread_does_not_hold_shutdown_past_the_grace() -> None:
+    """``/lab/slow/sync`` blocks a worker thread a minute between ticks; shutdown must not wait for it."""
+    grace, port = 2.0, free_port()
+    argv = [sys.executable, "-m", "labkit.cli", "serve", "--model", "tiny-gpt2", "--port", str(port), "--lab-routes",
+            "--drain-grace", str(grace), "--log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: healthy(url) or proc.poll() is not None, timeout=120, what="the server to start")
+        with httpx.stream("GET", url + "/lab/slow/sync?n=3&interval=60", timeout=TIMEOUT) as ticks:
+            assert next(ticks.iter_lines()).startswith("event: tick")  # the first tick; the next is a minute away
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(TIMEOUT)
+        elapsed = time.monotonic() - started
+        _, stderr = proc.communicate(timeout=TIMEOUT)
+        assert code == 0 and elapsed < grace + 5.0, (elapsed, stderr)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

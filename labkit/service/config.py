@@ -54,6 +54,9 @@ class HttpConfig:
     allowed_hosts: tuple[str, ...] = setting(
         LOOPBACK_HOSTS, "Host header names accepted (any port); '*' accepts any. Others get 400 (DNS rebinding)"
     )
+    forwarded_allow_ips: tuple[str, ...] = setting(
+        (), "proxy addresses ('*': any) whose X-Forwarded-For names the client; none: every client is its socket's peer"
+    )
     lab_routes: bool = setting(False, "mount the /lab/... routes (per-stream records, /lab/flood) the experiments use")
     docs: bool = setting(False, "serve /docs, /redoc and /openapi.json (the docs pages load their scripts from a CDN)")
     sndbuf: int | None = setting(None, "SO_SNDBUF for every connection; none: let the kernel autotune it")
@@ -105,6 +108,12 @@ class HttpConfig:
                 isinstance(v, tuple) and bool(v) and all(isinstance(h, str) and h and h == h.strip().lower() for h in v)
             ),
             "a non-empty tuple of lower-case host names",
+        )
+        _check(
+            self,
+            "forwarded_allow_ips",
+            lambda v: isinstance(v, tuple) and all(isinstance(a, str) and a and a == a.strip() for a in v),
+            "a tuple of addresses",
         )
         for name in ("lab_routes", "docs"):
             _check(self, name, lambda v: isinstance(v, bool), "a bool")

@@ -36,6 +36,10 @@ every request, even one on a connection served a moment earlier.)
 
 Framing, where uvicorn leaves a choice open:
 
+* a request h11 cannot read at all (two ``Content-Length`` headers, a bad chunk size, HTTP/1.1
+  without ``Host``, a head past 16 KiB) gets uvicorn's 400 and close, but in the JSON envelope
+  rather than uvicorn's ``text/plain``;
+
 * a request with both ``Content-Length`` and ``Transfer-Encoding`` is read as chunked (h11's
   reading) and answered with ``Connection: close``, then the connection is closed, as RFC 9112
   section 6.1 requires: whatever a front end thought the body was, nothing after it is served;
@@ -61,6 +65,7 @@ from labkit.service.config import HttpConfig
 from labkit.service.errors import envelope
 
 TRANSPORT_KEY = "labkit.transport"  # the scope key naming the connection's transport
+MALFORMED = "the request cannot be read as HTTP/1.1: malformed framing, head or Host"
 CLOSE_REASONS = ("idle_timeout", "header_timeout", "body_timeout", "send_timeout", "over_capacity", "crowded_out")
 
 
@@ -193,6 +198,14 @@ class GuardedH11Protocol(H11Protocol):
         if self.cycle is not None:  # the app sees http.disconnect; its later sends are dropped
             self.cycle.disconnected = True
             self.cycle.message_event.set()
+        self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 cannot read (two lengths, a bad chunk size, no Host in
+        HTTP/1.1, a head past h11's 16 KiB): the same 400 and close, in the JSON envelope. Once a
+        response has started on the connection nothing more can be said, and it only closes."""
+        if self.cycle is None or not self.cycle.response_started:
+            self.transport.write(_raw_response(400, "invalid_request", MALFORMED))
         self.transport.close()
 
     # -- sends --------------------------------------------------------------------------------

@@ -19,7 +19,9 @@ holds one of 40 tokens for as long as each ``next()`` blocks, and with 40 of the
 sync route and sync dependency of the app queues, health checks included, until one of them
 returns an event (the limiter is first come, first served). A cancelled ``next()`` still waits
 for its thread, so a client that leaves frees the token only when the sleep ends. The async twin
-holds no thread: a socket and a coroutine.
+holds no thread: a socket and a coroutine. (The sync sleep looks up every 0.1 s to see whether
+the server is draining, and then ends the stream: otherwise shutdown would wait for it, up to a
+minute, past ``--drain-grace``.)
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import anyio.to_thread
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from labkit.service.responses import SSE_HEADERS, SSE_MEDIA_TYPE
@@ -46,10 +48,14 @@ def tick(index: int) -> bytes:
     return ServerSentEvent(event="tick", data=f'{{"index":{index}}}', id=index + 1).encode()
 
 
-def sync_ticks(n: int, interval: float) -> Iterator[bytes]:
+def sync_ticks(n: int, interval: float, draining: Callable[[], bool] = lambda: False) -> Iterator[bytes]:
     for index in range(n):
         if index:
-            time.sleep(interval)  # blocks the worker thread that runs this next()
+            wake = time.monotonic() + interval
+            while (left := wake - time.monotonic()) > 0 and not draining():
+                time.sleep(min(left, 0.1))  # blocks the worker thread that runs this next()
+            if draining():
+                return
         yield tick(index)
 
 
@@ -65,8 +71,11 @@ Interval = Query(default=1.0, ge=0, le=MAX_INTERVAL_S)
 
 
 @router.get("/lab/slow/sync")
-def slow_sync(n: int = Count, interval: float = Interval) -> StreamingResponse:
-    return StreamingResponse(sync_ticks(n, interval), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+def slow_sync(request: Request, n: int = Count, interval: float = Interval) -> StreamingResponse:
+    hub = request.app.state.service.hub
+    return StreamingResponse(
+        sync_ticks(n, interval, lambda: hub.draining), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS
+    )
 
 
 @router.get("/lab/slow/async")

@@ -24,7 +24,7 @@ replayed its finished one-token streams every few seconds held every resumable s
 Resumable streams are bounded in number (``max_resumable``: a run outlives its connection by the
 grace, so without a bound clients that open one and hang up would fill the batch and the queue
 at no cost to themselves), and one client, told apart by its address (``request.client``: the
-peer, or ``X-Forwarded-For`` from a proxy uvicorn trusts), may hold only ``resumable_share`` of
+peer, or ``X-Forwarded-For`` from a proxy named in ``--forwarded-allow-ips``), may hold only ``resumable_share`` of
 them, so that no single client can take them all.
 
 Because the pump always reads at once, slow-reader policies never see a resumable stream: its

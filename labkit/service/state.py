@@ -62,8 +62,13 @@ class Service:
     ) -> Stream:
         """Refuse (raise) or submit: EmptyPrompt, PromptTooLong, InvalidRequest, QueueFull, Draining,
         or a 429 ``deadline_unreachable`` when ``deadline_s`` (seconds from ``arrived``, a
-        ``perf_counter`` time) cannot be met (:mod:`labkit.service.deadline`)."""
-        judgement = self.deadline.check(deadline_s, arrived, max_new_tokens, self.config.retry_after_s)
+        ``perf_counter`` time) cannot be met (:mod:`labkit.service.deadline`). A request that can
+        never fit the context is not the gate's to judge: the hub refuses it (422), and an
+        unbounded ``max_new_tokens`` never reaches the gate's arithmetic."""
+        fits = len(prompt_ids) + max_new_tokens <= self.engine.max_context
+        judgement = self.deadline.check(
+            deadline_s if fits else None, arrived, max_new_tokens, self.config.retry_after_s
+        )
         stream = self.hub.open(
             list(prompt_ids),
             max_new_tokens=max_new_tokens,

@@ -24,6 +24,7 @@ PROTOCOL_METHODS = (
     "pause_writing",
     "resume_writing",
     "_unset_keepalive_if_required",
+    "send_400_response",
 )
 PROTOCOL_STATE = ("transport", "conn", "loop", "cycle", "app", "connections")  # set in __init__
 CYCLE_STATE = ("response_started", "response_complete", "disconnected", "message_event")
