@@ -75,13 +75,15 @@ def level_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
               f"the 95% interval of the paired ratio ({top} over 1) lies below 2", overlap, f"ratio {evidence}"),
         judge("per-stream gap", f"a stream's median gap grows much less than the {top}× the streams",
               f"the median gap ratio ({top} over 1) is at least {top / 4:g} (a quarter of {top}×)",
-              bool(gap.median() < top / 4), f"gap ratio median {gap.median():.2f} over {len(gap)} repetitions"),
+              None if gap.dropna().empty else bool(gap.median() < top / 4),
+              f"gap ratio median {gap.median():.2f} over {len(gap.dropna())} repetitions"),
     ]  # fmt: skip
     if "tokens_per_step" in rows:
-        per_step = rows[rows.level == top].tokens_per_step
+        per_step = rows[rows.level == top].tokens_per_step.dropna()
         out.insert(1, judge(
             "overlap in steps", f"a step of the {top}-stream level makes at least {top / 2:g} tokens",
-            f"the median tokens per step at {top} streams is below {top / 2:g}", bool(per_step.median() >= top / 2),
+            f"the median tokens per step at {top} streams is below {top / 2:g}",
+            None if per_step.empty else bool(per_step.median() >= top / 2),
             f"{per_step.median():.1f} tokens per step (repetitions {per_step.min():.1f}–{per_step.max():.1f})",
             checked=True))  # fmt: skip
     return out

@@ -1,0 +1,41 @@
+"""Notebook 03's levels verdicts, on rows made by hand: each can hold, fail, or stay unclear."""
+from __future__ import annotations
+
+import pandas as pd
+
+from labkit.experiments import overlap
+
+SIZES = overlap.LEVELS.sizes_for("ci")
+TOP = max(SIZES.levels)
+
+
+def _rows(gap_growth: float, gap_at_one: float | None = 0.01) -> pd.DataFrame:
+    """Six repetitions; tokens/s grows with the level; the top level's gap is ``gap_growth`` times level 1's."""
+    rows = []
+    for rep in range(6):
+        for level in SIZES.levels:
+            gap = None if gap_at_one is None else gap_at_one * (gap_growth if level == TOP else 1.0)
+            rows.append({"level": level, "repetition": rep, "tokens": level * SIZES.tokens, "failed": 0,
+                         "tokens_per_s": 10.0 * level + rep, "gap_p50_s": gap})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def _said(rows: pd.DataFrame) -> dict[str, str]:
+    return {v.name: v.outcome for v in overlap.LEVELS.verdicts({"rows": rows}, SIZES)}
+
+
+def test_a_gap_that_grows_little_holds_and_one_that_grows_with_the_streams_is_falsified():
+    assert _said(_rows(gap_growth=1.5))["per-stream gap"] == "holds"
+    assert _said(_rows(gap_growth=float(TOP)))["per-stream gap"] == "falsified"
+
+
+def test_with_no_gap_measured_the_gap_verdict_is_unclear_not_falsified():
+    """Streams of one token have no gap: NaN compared with a bar is no evidence either way."""
+    assert _said(_rows(gap_growth=1.0, gap_at_one=None))["per-stream gap"] == "unclear"
+
+
+def test_overlap_in_steps_holds_when_a_step_serves_the_level_and_is_unclear_without_a_step_log():
+    rows = _rows(gap_growth=1.5).assign(tokens_per_step=lambda r: r.level * 0.9)
+    assert _said(rows)["overlap in steps"] == "holds"
+    assert _said(rows.assign(tokens_per_step=1.0))["overlap in steps"] == "falsified"
+    assert _said(rows.assign(tokens_per_step=float("nan")))["overlap in steps"] == "unclear"
