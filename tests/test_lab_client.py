@@ -275,3 +275,18 @@ def test_a_body_that_does_not_end_with_its_stream_is_waited_for_briefly(raw):
     assert stream.chunks == 1 and stream.completed
     assert stream.error == "the body did not end within 1 s of the stream's end"
     assert time.monotonic() - started < 5
+
+
+def test_the_probe_keeps_a_few_model_ids_of_a_sane_length():
+    """Every request carries the model id the probe found: not a 7 MB one, nor the millionth."""
+    from labkit.lab import probe
+
+    listed = json.dumps({"data": [{"id": "m" * 600}] + [{"id": f"model-{i}"} for i in range(1000)]}).encode()
+    head = f"HTTP/1.1 200 OK\ncontent-type: application/json\ncontent-length: {len(listed)}"
+    with hostile(canned(head, listed)) as url:
+        ids, said = probe._models(Target(url, api="openai"))
+    assert said == "yes" and ids == tuple(f"model-{i}" for i in range(probe.MAX_MODELS - 1))
+    only_long = json.dumps({"data": [{"id": "m" * 600}]}).encode()
+    with hostile(canned(f"HTTP/1.1 200 OK\ncontent-type: application/json\ncontent-length: {len(only_long)}",
+                        only_long)) as url:  # fmt: skip
+        assert probe._models(Target(url, api="openai")) == ((), "no model id of 1 to 512 characters")

@@ -24,6 +24,7 @@ __all__ = ["connect", "probe", "quirks_table", "PROBE_TIMEOUT_S"]
 PROMPT = "The lighthouse keeper counted the ships every evening, writing their names in a ledger"
 TOKENS = 8
 PROBE_TIMEOUT_S = 20.0  # each probe request
+MAX_MODELS, MAX_MODEL_ID = 64, 512  # model ids read from /v1/models, and the longest kept
 PROBE_BUDGET_S = 120.0  # the whole probe
 
 
@@ -115,10 +116,12 @@ def _models(target: Target) -> tuple[tuple[str, ...], str]:
         raise TargetError(target.url, str(exc)) from None
     if status != 200:
         return (), f"HTTP {status}"
-    try:
-        return tuple(str(m["id"]) for m in body["data"]), "yes"
+    try:  # a name every request will carry: the first few, of a sane length
+        ids = tuple(str(m["id"]) for m in body["data"][:MAX_MODELS])
     except (KeyError, TypeError):
         return (), "not an OpenAI model list"
+    sane = tuple(i for i in ids if 0 < len(i) <= MAX_MODEL_ID)
+    return sane, "yes" if sane else f"no model id of 1 to {MAX_MODEL_ID} characters"
 
 
 def _witnesses(target: Target) -> dict[str, bool]:
