@@ -53,6 +53,20 @@ SHUTDOWN_RESERVE_S = 1.0  # of drain_grace, kept for aborting blocked writers, t
 _CHOICES = {"policy": POLICIES, "first_token": DELIVERY_MODES, "dtype": DTYPES}
 
 
+class RedactTokens(logging.Filter):
+    """uvicorn's access-log line with a resume token's value (``?token=``, which a browser's
+    EventSource must use: it cannot set headers) replaced: whoever reads the log could otherwise
+    follow or resume another client's stream."""
+
+    TOKEN = re.compile(r"([?&]token=)[^&\s]*")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args  # uvicorn's: (client, method, path, http version, status)
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            record.args = (*args[:2], self.TOKEN.sub(r"\1<redacted>", args[2]), *args[3:])
+        return True
+
+
 def _uvicorn_server(app: Any, config: ServiceConfig) -> Any:
     import uvicorn
 
@@ -102,6 +116,9 @@ def _uvicorn_server(app: Any, config: ServiceConfig) -> Any:
         forwarded_allow_ips=list(config.http.forwarded_allow_ips) or None,
         timeout_graceful_shutdown=max(0.1, reserve / 2),  # type: ignore[arg-type]  # uvicorn takes seconds as a float
     )
+    access = logging.getLogger("uvicorn.access")  # after uvicorn.Config, which configures its loggers
+    if not any(isinstance(f, RedactTokens) for f in access.filters):
+        access.addFilter(RedactTokens())
     return LabServer(uv_config)
 
 

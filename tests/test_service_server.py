@@ -100,3 +100,22 @@ def test_sndbuf_bounds_what_a_client_that_never_reads_can_absorb(tiny_gpt2) -> N
 def test_sndbuf_below_one_page_is_refused(value: int) -> None:
     with pytest.raises(ValueError, match="sndbuf"):
         ServiceConfig.of(sndbuf=value)
+
+
+def test_the_access_log_never_carries_a_resume_token(tiny_gpt2) -> None:
+    """A browser resumes with ``?token=`` (EventSource sets no headers); the log line keeps the path, not the token."""
+    import logging
+
+    lines: list[str] = []
+    collect = logging.Handler()
+    collect.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    access = logging.getLogger("uvicorn.access")
+    with lab_server(tiny_gpt2, log_level="info") as server:
+        access.addHandler(collect)  # after the server's start, whose logging config replaces the handlers
+        try:
+            answer = httpx.get(server.url + "/v1/streams/req-1/events?after=2&token=s3cret-value", timeout=TIMEOUT)
+        finally:
+            access.removeHandler(collect)
+    assert answer.status_code == 404
+    assert any("/v1/streams/req-1/events?after=2&token=<redacted>" in line for line in lines), lines
+    assert not any("s3cret" in line for line in lines), lines
