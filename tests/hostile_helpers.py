@@ -123,9 +123,10 @@ async def redirect(w: Writer) -> None:
     await w.drain()
 
 
-def canned(head: str, body: bytes = b"", hold_s: float = 0.0) -> Behaviour:
+def canned(head: str, body: bytes = b"", hold_s: float = 5.0) -> Behaviour:
     """One answer as given: the head's lines (CRLF added), then ``body`` as it goes on the wire;
-    the connection then stays open ``hold_s`` seconds."""
+    the connection then stays open ``hold_s`` seconds (or until the server stops). Closing at once
+    would reset it (the request's body is unread), and a reset can outrun a slow client's reading."""
 
     async def behave(w: Writer) -> None:
         w.write(head.replace("\n", "\r\n").encode() + b"\r\n\r\n" + body)
