@@ -174,6 +174,7 @@ def test_an_unpaired_ratio_is_a_seeded_bootstrap_that_also_needs_six_each():
 
 
 def test_every_holds_only_for_rows_that_exist_and_seen_quotes_distinct_values():
-    assert every(pd.Series([True, True])) and every([1, 1])
-    assert not every(pd.Series([True, False])) and not every(pd.Series([], dtype=bool))  # no rows prove nothing
+    assert every(pd.Series([True, True])) is True and every([1, 1]) is True
+    assert every(pd.Series([True, False])) is False
+    assert every(pd.Series([], dtype=bool)) is None and every(pd.Series([float("nan")])) is None  # nothing proves nothing
     assert seen(pd.Series([3, 1, 3, None])) == [1.0, 3.0] and seen(pd.Series(["b", "a"])) == ["a", "b"]

@@ -124,11 +124,12 @@ def flood_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
               "any flood's response was unfinished at the time limit", n > 0 and bool(rows.server_finished.all()),
               f"{int(rows.server_finished.sum())} of {n} finished", checked=True),
         judge("bounded by the kernel", "the path takes at most tcp_wmem's max, the client's receive buffer, the "
-              "transport's high-water mark and one event", "any flood accepted more", over == 0 if known else None,
+              "transport's high-water mark and one event", "any flood accepted more",
+              over == 0 if known and bound.notna().all() and rows.bytes_accepted.notna().all() else None,
               f"{over} of {n} over; took {kib(rows.bytes_accepted)}, max {kib(rows.tcp_wmem_max)}{why}", checked=True),
         judge("the send buffer grows", "Linux grows the server's send buffer past tcp_wmem's default while data waits",
               "any flood held at most that default on the server's side (accepted minus the client's buffer)",
-              grown == n if known else None, f"{grown} of {n} above; server side {kib(rows.server_side_bytes)}, "
+              grown == n if known and rows.server_side_bytes.notna().all() else None, f"{grown} of {n} above; server side {kib(rows.server_side_bytes)}, "
               f"default {kib(rows.tcp_wmem_default)}{why}", checked=True),
         judge("bytes, not events", "the buffers hold bytes: what they take hardly depends on the event size",
               "the 95% interval of the largest median over the smallest (by event size) lies above 1.5",

@@ -122,16 +122,19 @@ def moment_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
     waited, late = listen[listen.moment == "waiting"], listen[listen.release_steps > 2]
     short = write[(write.engine_finish != "length") | (write.tokens_generated < s.tokens)]
     out = [judge("listening releases within two steps", "a response that listens lets the engine release a departed "
-                 "client's stream within 2 steps of the hub's close", "any such trial released later", late.empty,
+                 "client's stream within 2 steps of the hub's close", "any such trial released later",
+                 None if listen.release_steps.isna().any() or listen.empty else late.empty,
                  f"{len(late)} of {len(listen)} later; steps {span(listen.release_steps, '{:.0f}')}",
                  checked=True)]  # fmt: skip
     if len(waited):
         out.append(judge("waiting never admitted", "a request whose client left while it waited is never admitted",
-                         "any such request gets a slot", not waited.ever_admitted.any(),
+                         "any such request gets a slot",
+                         None if waited.ever_admitted.isna().any() else not waited.ever_admitted.any(),
                          f"{int(waited.ever_admitted.sum())} of {len(waited)} admitted", checked=True))  # fmt: skip
     if len(write):
         out.append(judge("write-only runs to the limit", "with the write-only class every abandoned stream is "
-                         "generated to its limit", "any ends before it", short.empty,
+                         "generated to its limit", "any ends before it",
+                         None if write.engine_finish.isna().any() else short.empty,
                          f"{len(short)} of {len(write)} ended early",
                          checked=True))  # fmt: skip
     return out

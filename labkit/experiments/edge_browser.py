@@ -97,13 +97,14 @@ def rules_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
     rows = t["rows"]
     cut = rows[rows.case.isin([CUT, RETRY])]
 
-    def delays(case: str, low: float) -> tuple[bool, str]:
+    def delays(case: str, low: float) -> tuple[bool | None, str]:
         g = rows[rows.case == case]
         both = pd.concat([g.cut_delay_ms, g.end_delay_ms]).dropna()
         spans = [span(g[f"{k}_delay_ms"], "{:.0f}", " ms") for k in ("cut", "end")]
-        return bool(len(both)) and low <= both.median() <= low + 500, "after a cut {}, after the end {}".format(*spans)
+        said = "after a cut {}, after the end {}".format(*spans)
+        return None if both.empty else bool(low <= both.median() <= low + 500), said
 
-    def closes(status: dict[str, str]) -> tuple[bool, str]:
+    def closes(status: dict[str, str]) -> tuple[bool | None, str]:
         g = rows[rows.case.isin(list(status))]
         ok = (g.requests == 1) & (g.statuses == g.case.map(status)) & g.closed
         return every(ok) and len(g) == len(status) * s.repetitions, f"requests {seen(g.requests)}, {seen(g.statuses)}"
@@ -204,9 +205,10 @@ def hold_the_batch(target: Any, tokens: int) -> socket.socket:
 def close_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
     rows = t["rows"]
 
-    def cell(moment: str, abort: str, ok: Any) -> tuple[bool, str]:
+    def cell(moment: str, abort: str, ok: Any) -> tuple[bool | None, str]:
         g = rows[(rows.moment == moment) & rows.abort.isin(abort.split())]
         g = g[g.tokens_at_close == 0] if moment == "queued" else g  # queued when closed, as meant
+        g = g.dropna(subset=["tokens"])  # a run whose record never came says nothing
         return every(ok(g)), f"tokens {seen(g.tokens)} of {s.tokens} in {len(g)} runs"
 
     return [

@@ -207,7 +207,7 @@ def joiner_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
             "a joiner waits about a step", "a joiner's first token is sampled within two of the engine's current "
             "step durations of its arrival (the step in progress, then the step that prefills it)",
             "the median joiner into a running batch waits more than 2 step durations",
-            bool(busy.ttft_in_steps.median() <= 2), "median " + ", ".join(
+            None if busy.ttft_in_steps.dropna().empty else bool(busy.ttft_in_steps.median() <= 2), "median " + ", ".join(
                 f"{b} running: {g.ttft_in_steps.median():.2f} steps ({g.server_ttft_s.median() * 1e3:.0f} ms)"
                 for b, g in rows.groupby("background")), checked=True))  # fmt: skip
     return out

@@ -220,11 +220,15 @@ def browser_verdicts(t: Tables, s: Any) -> list:
     resumed = bool(len(cut) and (cut.connections == 2).all() and (cut.first_id_after == cut.cut_after + 1).all()
                    and rows.same_as_uninterrupted.all() and rows.ids_once_in_order.all()
                    and (rows.ended_by == "done").all())  # fmt: skip
-    ordered = bool((cut.reconnect_ms >= cut.retry_ms).all() and (by.max().values[:-1] < by.min().values[1:]).all())
+    ordered = (
+        None
+        if cut.reconnect_ms.isna().all()
+        else bool((cut.reconnect_ms >= cut.retry_ms).all() and (by.max().values[:-1] < by.min().values[1:]).all())
+    )
     firsts = sorted(set(cut.first_id_after.dropna().astype(int)))
     delays = "; ".join(f"retry {r} ms: {span(g, '{:.0f}', ' ms')}" for r, g in by)
     return [judge("the browser resumes exactly", "cut, EventSource reconnects by itself with Last-Event-ID and ends "
-                  "with the uninterrupted run's events", "a cut run otherwise", resumed,
+                  "with the uninterrupted run's events", "a cut run otherwise", resumed if len(cut) else None,
                   f"{int(cut.same_as_uninterrupted.sum())} of {len(cut)} cut runs equal; first ids after: {firsts}",
                   checked=True),
             judge("retry: sets the reconnect delay", "at least the retry: value, longer for a longer one",
@@ -311,7 +315,7 @@ async def drain(server: Any, s: Any) -> tuple[list[Stream], list[Row], int, floa
 
 
 def drain_verdicts(t: Tables, s: Any) -> list:
-    rows, streams, probes, resumes = t["rows"], t["streams"], t["probes"], t["resumes"]
+    rows, streams, probes, resumes = t["rows"], t["streams"], t["probes"], t["resumes"].reindex(columns=["status"])
     answered, told, ended = probes[probes.status != 0], streams[streams.resumable], ("done", "shutdown")
     refused = bool(len(answered) and (answered.status == 503).all() and answered.retry_after.notna().all()
                    and answered.type.isin(["draining", "shutdown"]).all()
@@ -327,7 +331,7 @@ def drain_verdicts(t: Tables, s: Any) -> list:
                   f"{sorted(set(rows.exit_code))} after {span(rows.exited_s, '{:.2f}', ' s')} "
                   f"(grace {s.drain_grace_s:g} s)"),
             judge("a restarted process answers the resume with 404", "a resumable stream is told why it ended; its "
-                  "resume after the restart gets 404", "otherwise", bool(len(resumes) and (resumes.status == 404).all()
+                  "resume after the restart gets 404", "otherwise", None if resumes.empty else bool((resumes.status == 404).all()
                   and told.ended_by.isin(ended).all()), f"{len(told)} resumable streams ended "
                   f"{sorted(set(told.ended_by))}; resumes answered {sorted(set(resumes.status))}",
                   checked=True)]  # fmt: skip

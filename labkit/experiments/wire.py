@@ -199,7 +199,7 @@ def contract_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
                "streams") + (f"; {missing} not measurable against this target" if missing else ""), checked=True),
         judge("token events carry most of a stream's bytes", "start and done are fixed costs a stream spreads over "
               "its tokens", "the median share of token-event bytes in streams that ran to their limit is below one "
-              "half", bool(len(share)) and float(share.median()) >= 0.5,
+              "half", None if share.dropna().empty else float(share.median()) >= 0.5,
               f"token events: {span(share * 100, '{:.0f}', '%')} of the bytes ({len(share)} streams)", checked=True),
     ]  # fmt: skip
 

@@ -64,10 +64,11 @@ def judge(
     return Verdict(name, claim, criterion, outcome, evidence, checked)
 
 
-def every(values: pd.Series | Sequence[bool]) -> bool:
-    """All true, and at least one: a condition with no rows (skipped, or filtered away) proves nothing."""
-    values = pd.Series(values, dtype=object)
-    return bool(len(values)) and bool(values.astype(bool).all())
+def every(values: pd.Series | Sequence[bool]) -> bool | None:
+    """All true, over the values there are: a condition with no rows (skipped, filtered away, or
+    all missing) proves nothing either way, and gives None (unclear)."""
+    values = pd.Series(values, dtype=object).dropna()
+    return bool(values.astype(bool).all()) if len(values) else None
 
 
 def seen(values: pd.Series) -> list:
