@@ -121,7 +121,7 @@ async def read(
         result.error = f"an unreadable answer: {type(exc).__name__}: {exc}"[:300]
     result.ended = result.ended or time.perf_counter()
     if result.error is None:
-        result.error = _refusal(result, request.stream)
+        result.error = result.refusal(request.stream)
     return result
 
 
@@ -145,7 +145,7 @@ async def _httpx(client: httpx.AsyncClient, request: Request, options: ReadOptio
     if options.gzip:
         headers["Accept-Encoding"] = "gzip"
     async with client.stream(request.method, request.path, content=body, headers=headers) as response:
-        _note_head(result, response.status_code, dict(response.headers), time.perf_counter())
+        result.note_head(response.status_code, dict(response.headers), time.perf_counter())
         sock = _socket(response)
         chunks = _decoded(response.aiter_raw(), result.headers.get("content-encoding", ""), options.gzip)
         if not result.content_type.startswith("text/event-stream"):
@@ -154,8 +154,8 @@ async def _httpx(client: httpx.AsyncClient, request: Request, options: ReadOptio
             return
         splitter = EventSplitter()
         deadline = None if options.leave_after_s is None else result.sent + options.leave_after_s
-        while not _should_leave(result, options):
-            ends = _body_end_by(result, options) if result.closed else deadline
+        while not result.should_leave(options):
+            ends = result.body_end_by(options) if result.closed else deadline
             left = None if ends is None else max(0.0, ends - time.perf_counter())
             try:
                 chunk = await asyncio.wait_for(chunks.__anext__(), left)
@@ -164,11 +164,11 @@ async def _httpx(client: httpx.AsyncClient, request: Request, options: ReadOptio
                 break
             except TimeoutError:
                 if result.closed:  # the stream ended, its body did not: the connection is closed on the way out
-                    _unended(result, options)
+                    result.unended(options)
                     return
                 break
             result.reads += 1
-            if not _take(result, splitter, chunk, time.perf_counter(), options):
+            if not result.take(splitter, chunk, time.perf_counter(), options):
                 return
             if options.pace:
                 await asyncio.sleep(options.pace)
@@ -217,48 +217,6 @@ async def _capped(chunks: Any, cap: int, result: Stream) -> bytes:
 # --------------------------------------------------------------------------- shared
 
 
-def _note_head(result: Stream, status: int, headers: dict[str, str], now: float) -> None:
-    result.headers_at, result.status, result.headers = now, status, headers
-    result.content_type = headers.get("content-type", "").lower()  # media types are case-insensitive
-    result.request_id = headers.get("x-request-id")
-
-
-def _take(result: Stream, splitter: EventSplitter, chunk: bytes, now: float, options: ReadOptions) -> bool:
-    """Feed one read; False (with the error set) once a bound on the stream is passed."""
-    result.total_bytes += len(chunk)
-    if result.total_bytes > options.max_bytes:
-        result.error = f"the stream passed the client's cap of {options.max_bytes:,} bytes"
-        return False
-    for event in splitter.feed(chunk, now):
-        if len(result.events) >= options.max_events:
-            result.error = f"the stream passed the client's cap of {options.max_events:,} events"
-            return False
-        if len(event.raw) > options.max_event_bytes // 4 and len(event.raw.encode()) > options.max_event_bytes:
-            result.error = f"an event passed the client's cap of {options.max_event_bytes:,} bytes of data"
-            return False
-        result.add(event)
-    # after every read, not only at the end: a stream cut mid-way keeps the id to resume from
-    result.unfinished_bytes, result.last_event_id = splitter.pending, splitter.parser.last_event_id
-    return True
-
-
-def _body_end_by(result: Stream, options: ReadOptions) -> float:
-    """When reading stops: the request's bound, or ``drain_after_fin_s`` after the stream's own
-    end (a done or error event, ``[DONE]``) for a body that does not end with it."""
-    ends = result.sent + options.bound_s
-    return min(ends, result.events[-1].time + options.drain_after_fin_s) if result.closed and result.events else ends
-
-
-def _unended(result: Stream, options: ReadOptions) -> None:
-    result.error = f"the body did not end within {options.drain_after_fin_s:g} s of the stream's end"
-    result.ended = time.perf_counter()
-
-
-def _should_leave(result: Stream, options: ReadOptions) -> bool:
-    n = options.leave_after_tokens
-    return n is not None and result.headers_at is not None and len(result.token_times) >= n and not result.completed
-
-
 async def _leave(result: Stream, options: ReadOptions, sock: socket.socket, recv: Any) -> None:
     """FIN by shutting our sending side, then reading what is left until the peer closes; RST by
     arming a zero linger (the caller's close sends it)."""
@@ -276,21 +234,6 @@ async def _leave(result: Stream, options: ReadOptions, sock: socket.socket, recv
 async def _drain(recv: Any) -> None:
     while await recv():
         pass
-
-
-def _refusal(result: Stream, stream: bool) -> str | None:
-    """An answer other than the one asked for, as one line: the status and the server's message."""
-    if result.status == 0 or (result.status == 200 and stream == result.content_type.startswith("text/event-stream")):
-        return None
-    if 300 <= result.status < 400:
-        where = urlsplit(result.headers.get("location", "")).netloc or "no Location"
-        return f"HTTP {result.status} redirect to {where}"
-    body = result.body
-    inner = body.get("error", body) if isinstance(body, dict) else body
-    message = inner.get("message") or inner.get("detail") or inner if isinstance(inner, dict) else inner
-    text = " ".join(str(message or "").split())[:160] or "(empty body)"
-    what = f"HTTP {result.status}" if result.status != 200 else f"answered {result.content_type or 'no content type'}"
-    return f"{what}: {text}"
 
 
 # --------------------------------------------------------------------------- raw socket
@@ -322,7 +265,7 @@ async def _raw(
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(leave.wait(), max(0.0, result.sent + options.bound_s - time.perf_counter()))
         if result.ended is None:
-            planned = leave.is_set() or _should_leave(result, options) or options.bound_s < options.timeout
+            planned = leave.is_set() or result.should_leave(options) or options.bound_s < options.timeout
             if not planned and result.error is None:
                 result.error = f"no end within the {options.timeout:g} s bound of one request"
             await _leave(result, options, sock, lambda: loop.sock_recv(sock, 65536))
@@ -349,11 +292,11 @@ async def _read_raw(
     received, most = 0, options.max_bytes + HEAD_ROOM  # every byte counts, heads and 1xx answers too
     flag = asyncio.ensure_future(leave.wait())
     try:
-        while not leave.is_set() and not _should_leave(result, options):
-            left = _body_end_by(result, options) - time.perf_counter()
+        while not leave.is_set() and not result.should_leave(options):
+            left = result.body_end_by(options) - time.perf_counter()
             if left <= 0:
                 if result.closed:
-                    _unended(result, options)
+                    result.unended(options)
                 return
             recv = asyncio.ensure_future(loop.sock_recv(sock, options.read_bytes))
             await asyncio.wait({recv, flag}, timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED)
@@ -362,7 +305,7 @@ async def _read_raw(
                 with contextlib.suppress(asyncio.CancelledError):
                     await recv
                 if result.closed and not leave.is_set():
-                    _unended(result, options)
+                    result.unended(options)
                 return
             data = recv.result()
             received += len(data)
@@ -398,7 +341,7 @@ def _raw_events(conn: h11.Connection, result: Stream, splitter: EventSplitter, k
             return False
         if isinstance(event, h11.Response):
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
-            _note_head(result, event.status_code, headers, now)
+            result.note_head(event.status_code, headers, now)
             if headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
                 result.error = (
                     f"an answer in Content-Encoding: {headers['content-encoding'][:60]}, where the "
@@ -407,7 +350,7 @@ def _raw_events(conn: h11.Connection, result: Stream, splitter: EventSplitter, k
                 return True
         elif isinstance(event, h11.Data):
             if result.content_type.startswith("text/event-stream"):
-                if not _take(result, splitter, bytes(event.data), now, o):
+                if not result.take(splitter, bytes(event.data), now, o):
                     return True
             elif len(kept) + len(event.data) > JSON_CAP:
                 result.error = f"answer larger than the client's cap of {JSON_CAP >> 20} MiB"

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from labkit.sse import SSEParser
 
@@ -193,6 +195,58 @@ class Stream:
         if n is not None and (type(n) is not int or n < 0 or (self.max_tokens is not None and n > self.max_tokens)):
             raise ValueError(f"usage.completion_tokens {str(n)[:40]} is not a count of at most {self.max_tokens}")
         return usage
+
+    # -- fed by the client's readers: the head, each read, and when to stop ------------------------
+    def note_head(self, status: int, headers: dict[str, str], now: float) -> None:
+        self.headers_at, self.status, self.headers = now, status, headers
+        self.content_type = headers.get("content-type", "").lower()  # media types are case-insensitive
+        self.request_id = headers.get("x-request-id")
+
+    def take(self, splitter: EventSplitter, chunk: bytes, now: float, options: ReadOptions) -> bool:
+        """Feed one read; False (with the error set) once a bound on the stream is passed."""
+        self.total_bytes += len(chunk)
+        if self.total_bytes > options.max_bytes:
+            self.error = f"the stream passed the client's cap of {options.max_bytes:,} bytes"
+            return False
+        for event in splitter.feed(chunk, now):
+            if len(self.events) >= options.max_events:
+                self.error = f"the stream passed the client's cap of {options.max_events:,} events"
+                return False
+            if len(event.raw) > options.max_event_bytes // 4 and len(event.raw.encode()) > options.max_event_bytes:
+                self.error = f"an event passed the client's cap of {options.max_event_bytes:,} bytes of data"
+                return False
+            self.add(event)
+        # after every read, not only at the end: a stream cut mid-way keeps the id to resume from
+        self.unfinished_bytes, self.last_event_id = splitter.pending, splitter.parser.last_event_id
+        return True
+
+    def body_end_by(self, options: ReadOptions) -> float:
+        """When reading stops: the request's bound, or ``drain_after_fin_s`` after the stream's own
+        end (a done or error event, ``[DONE]``) for a body that does not end with it."""
+        ends = self.sent + options.bound_s
+        return min(ends, self.events[-1].time + options.drain_after_fin_s) if self.closed and self.events else ends
+
+    def unended(self, options: ReadOptions) -> None:
+        self.error = f"the body did not end within {options.drain_after_fin_s:g} s of the stream's end"
+        self.ended = time.perf_counter()
+
+    def should_leave(self, options: ReadOptions) -> bool:
+        n = options.leave_after_tokens
+        return n is not None and self.headers_at is not None and len(self.token_times) >= n and not self.completed
+
+    def refusal(self, stream: bool) -> str | None:
+        """An answer other than the one asked for, as one line: the status and the server's message."""
+        if self.status == 0 or (self.status == 200 and stream == self.content_type.startswith("text/event-stream")):
+            return None
+        if 300 <= self.status < 400:
+            where = urlsplit(self.headers.get("location", "")).netloc or "no Location"
+            return f"HTTP {self.status} redirect to {where}"
+        body = self.body
+        inner = body.get("error", body) if isinstance(body, dict) else body
+        message = inner.get("message") or inner.get("detail") or inner if isinstance(inner, dict) else inner
+        text = " ".join(str(message or "").split())[:160] or "(empty body)"
+        what = f"HTTP {self.status}" if self.status != 200 else f"answered {self.content_type or 'no content type'}"
+        return f"{what}: {text}"
 
     # -- what a table reads ---------------------------------------------------------------------
     @property
