@@ -164,7 +164,7 @@ async def _httpx(client: httpx.AsyncClient, request: Request, options: ReadOptio
                 break
             except TimeoutError:
                 if result.closed:  # the stream ended, its body did not: the connection is closed on the way out
-                    result.unended(options)
+                    result.unended()
                     return
                 break
             result.reads += 1
@@ -296,7 +296,7 @@ async def _read_raw(
             left = result.body_end_by(options) - time.perf_counter()
             if left <= 0:
                 if result.closed:
-                    result.unended(options)
+                    result.unended()
                 return
             recv = asyncio.ensure_future(loop.sock_recv(sock, options.read_bytes))
             await asyncio.wait({recv, flag}, timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED)
@@ -305,7 +305,7 @@ async def _read_raw(
                 with contextlib.suppress(asyncio.CancelledError):
                     await recv
                 if result.closed and not leave.is_set():
-                    result.unended(options)
+                    result.unended()
                 return
             data = recv.result()
             received += len(data)

@@ -33,6 +33,7 @@ __all__ = ["API", "LeaveBy", "ReadOptions", "TimedEvent", "Stream", "EventSplitt
 API = Literal["labkit", "openai", "openai-chat"]
 LeaveBy = Literal["fin", "rst"]
 MiB = 1 << 20
+BODY_END_GRACE_S = 2.0  # how long a body may go on after its stream's own end (a done event, [DONE])
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,8 @@ class ReadOptions:
     once the head is in; ``leave_after_s`` counts from sending; the first of these, or
     ``timeout``, ends the read and the client leaves by ``leave_by``. After a FIN it reads on,
     uncounted, for at most ``drain_after_fin_s`` so the close stays a FIN (so a read can last
-    that long past ``timeout``); after the stream's own end (a done event, ``[DONE]``) it waits as
-    long for the body's end, then closes and says so. The raw reader alone
+    that long past ``timeout``); after the stream's own end (a done event, ``[DONE]``) it waits
+    :data:`BODY_END_GRACE_S` for the body's end, then closes and says so. The raw reader alone
     honours ``read_bytes`` (the most one read takes), ``read=False`` (never read a byte) and
     ``rcvbuf`` (``SO_RCVBUF`` before connecting, which stops Linux from growing it) and
     ``keep_wire`` (keep every byte received, head and chunked framing, in ``Stream.wire``: what
@@ -221,13 +222,13 @@ class Stream:
         return True
 
     def body_end_by(self, options: ReadOptions) -> float:
-        """When reading stops: the request's bound, or ``drain_after_fin_s`` after the stream's own
-        end (a done or error event, ``[DONE]``) for a body that does not end with it."""
+        """When reading stops: the request's bound, or :data:`BODY_END_GRACE_S` after the stream's
+        own end (a done or error event, ``[DONE]``) for a body that does not end with it."""
         ends = self.sent + options.bound_s
-        return min(ends, self.events[-1].time + options.drain_after_fin_s) if self.closed and self.events else ends
+        return min(ends, self.events[-1].time + BODY_END_GRACE_S) if self.closed and self.events else ends
 
-    def unended(self, options: ReadOptions) -> None:
-        self.error = f"the body did not end within {options.drain_after_fin_s:g} s of the stream's end"
+    def unended(self) -> None:
+        self.error = f"the body did not end within {BODY_END_GRACE_S:g} s of the stream's end"
         self.ended = time.perf_counter()
 
     def should_leave(self, options: ReadOptions) -> bool:
