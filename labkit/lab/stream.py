@@ -198,10 +198,16 @@ class Stream:
         return usage
 
     # -- fed by the client's readers: the head, each read, and when to stop ------------------------
-    def note_head(self, status: int, headers: dict[str, str], now: float) -> None:
+    def note_head(self, status: int, headers: dict[str, str], now: float, gzip: bool = False) -> None:
+        """The head as read; an encoding other than identity (or one gzip layer, where ``gzip``
+        asked for it) is the error, said by name: the body is not read."""
         self.headers_at, self.status, self.headers = now, status, headers
         self.content_type = headers.get("content-type", "").lower()  # media types are case-insensitive
         self.request_id = headers.get("x-request-id")
+        coding = headers.get("content-encoding", "").strip().lower()
+        if coding not in ("", "identity") and not (gzip and coding == "gzip"):
+            asked = "one layer of gzip" if gzip else "identity"
+            self.error = f"an answer in Content-Encoding: {coding[:60]}, where the client asked for {asked}"
 
     def take(self, splitter: EventSplitter, chunk: bytes, now: float, options: ReadOptions) -> bool:
         """Feed one read; False (with the error set) once a bound on the stream is passed."""
