@@ -154,7 +154,19 @@ def test_tell_holds_only_when_the_interval_excludes_the_null(values, decided):
     verdict, text = tell(interval(values), 2.0, "above")
     assert verdict is decided
     if decided is None:
-        assert "repetitions would decide it" in text
+        assert "repetitions would decide it" in text or "too near 2" in text
+
+
+def test_an_unclear_verdict_at_the_null_says_no_practical_number_of_repetitions_decides_it():
+    """An estimate at the null (0.1% above it, with a spread of a tenth) would need millions of
+    repetitions by the 1/sqrt(n) rule: the text says more of the same cannot decide it, not a count."""
+    from labkit.lab import Interval
+
+    decided, text = tell(Interval(1.001, 0.885, 1.06, 9), 1.0, "above")
+    assert decided is None and "too near 1 for more repetitions to decide it" in text
+    assert "about" not in text
+    decided, text = tell(Interval(1.05, 0.98, 1.12, 9), 1.0, "above")  # an effect under the spread: a count
+    assert decided is None and "about 18 repetitions would decide it" in text
 
 
 def test_a_paired_ratio_is_judged_repetition_by_repetition_and_needs_six():

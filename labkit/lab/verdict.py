@@ -64,6 +64,12 @@ def judge(
     return Verdict(name, claim, criterion, outcome, evidence, checked)
 
 
+def side(table: pd.DataFrame, key: object) -> pd.Series:
+    """``table[key]``, or all missing where no row had it (a run without that condition, as a
+    size override or a target can give): a verdict over it is then unclear, not an error."""
+    return table[key] if key in table.columns else pd.Series(np.nan, index=table.index, dtype=float)
+
+
 def every(values: pd.Series | Sequence[bool]) -> bool | None:
     """All true, over the values there are: a condition with no rows (skipped, filtered away, or
     all missing) proves nothing either way, and gives None (unclear)."""
@@ -176,12 +182,19 @@ def _median_interval(a: np.ndarray) -> Interval:
 MIN_FOR_MEDIAN = 6  # the fewest values whose extremes bound the median with 95% coverage
 
 
-def unclear_needs(n: int, estimate: float, low: float, high: float, null: float) -> int:
+PRACTICAL_REPEATS = 10  # times the run's n: beyond it, no run this lab would make decides it
+
+
+def unclear_needs(n: int, estimate: float, low: float, high: float, null: float) -> int | None:
     """Roughly how many repetitions would make an interval this wide exclude ``null`` (widths
-    shrink as 1/sqrt(n))."""
+    shrink as 1/sqrt(n)); None where that is over ``PRACTICAL_REPEATS`` times ``n``: an estimate
+    at or near the null, where more of the same would not decide it and only a larger effect
+    or a quieter measurement would."""
     half, distance = max(abs(high - low) / 2, 1e-12), abs(estimate - null)
-    if distance == 0 or not np.isfinite(half / distance):  # no effect seen, or an unbounded end: say twice as many
+    if not np.isfinite(half):  # an unbounded end: say twice as many
         return 2 * n
+    if distance == 0 or half / distance > np.sqrt(PRACTICAL_REPEATS):
+        return None
     return int(np.ceil(n * (half / distance) ** 2))
 
 
@@ -195,5 +208,8 @@ def tell(ci: Interval, null: float, better: Literal["above", "below"]) -> tuple[
     text = str(ci)
     if decided is None:
         need = MIN_FOR_MEDIAN if not np.isfinite(ci.low) else unclear_needs(ci.n, ci.estimate, ci.low, ci.high, null)
-        text += f"; about {max(need, ci.n + 1)} repetitions would decide it"
+        if need is None:
+            text += f"; the estimate lies too near {null:g} for more repetitions to decide it (over {PRACTICAL_REPEATS}x these)"
+        else:
+            text += f"; about {max(need, ci.n + 1)} repetitions would decide it"
     return decided, text
