@@ -14,7 +14,9 @@ import pytest
 
 from labkit.experiments import (
     buffers,
+    deadline,
     disconnect,
+    edge,
     edge_browser,
     extensions,
     isolation,
@@ -121,7 +123,46 @@ def _joiners() -> Any:
     return overlap.joiner_verdicts({"rows": rows}, None)
 
 
+def _levels_without_one() -> Any:  # run(OVERLAP, target, levels=[8, 32])
+    rows = pd.DataFrame({"level": [8, 32] * 3, "repetition": [0, 0, 1, 1, 2, 2], "tokens_per_s": [80.0, 300.0] * 3,
+                         "gap_p50_s": [0.02, 0.03] * 3, "failed": [0] * 6, "tokens": [16] * 6})  # fmt: skip
+    return overlap.level_verdicts({"rows": rows}, overlap.LEVELS.sizes_for("ci", levels=(8, 32)))
+
+
+def _delivery_one_mode() -> Any:  # a run of step-end delivery alone
+    rows = pd.DataFrame({"first_token": ["step_end"] * 3, "repetition": [0, 1, 2], "failed": [0] * 3}
+                        | {f"ttft_{q}_s": [0.1, 0.2, 0.3] for q in overlap.QUANTILES})  # fmt: skip
+    t = {"rows": rows}
+    t.update(overlap.delivery_tables(t, None))
+    return overlap.delivery_verdicts(t, None)
+
+
+def _share_one_server() -> Any:
+    rows = pd.DataFrame({"server": ["thread"] * 3, "repetition": [0, 1, 2], "tokens_per_s": [300.0] * 3})
+    return overlap.share_verdicts({"rows": rows}, None)
+
+
+def _goodput_gate_on_only() -> Any:
+    rows = pd.DataFrame({"repetition": [0, 1, 2], "load": [1.5, 2.0, 3.0], "gate": [True] * 3,
+                         "goodput": [2.0] * 3, "met": [8] * 3})  # fmt: skip
+    t = {"rows": rows}
+    t.update(deadline.goodput_tables(t, None))
+    return deadline.goodput_verdicts(t, deadline.GOODPUT.sizes_for("ci"))
+
+
+def _storm_fixed_only() -> Any:
+    rows = pd.DataFrame({"policy": ["fixed"] * 2, "repetition": [0, 1], "peak_per_100ms": [120, 110],
+                         "refused_503": [30, 40], "whole": [200, 200]})  # fmt: skip
+    return edge.storm_verdicts({"rows": rows}, edge.STORM.sizes_for("ci"))
+
+
 CASES: dict[str, tuple[Callable[[], Any], list[str]]] = {
+    "overlap: levels without level 1": (_levels_without_one, ["overlap", "per-stream gap"]),
+    "overlap: delivery with one mode": (_delivery_one_mode, ["prefill delivery: earlier at the median",
+                                                             "prefill delivery: the last no later"]),
+    "overlap: client share with one server": (_share_one_server, ["the client costs the in-thread server"]),
+    "production: goodput with the gate on only": (_goodput_gate_on_only, ["the gate raises goodput above the service rate"]),
+    "edge: storm with the fixed delay only": (_storm_fixed_only, ["jitter flattens the herd", "jitter meets fewer refusals"]),
     "wire: no stream ran to its limit": (_wire, ["token events carry most of a stream's bytes"]),
     "buffers: the client's buffer unknown": (_flood, ["bounded by the kernel", "the send buffer grows"]),
     "disconnect: no record came": (_moments, ["listening releases within two steps", "waiting never admitted",

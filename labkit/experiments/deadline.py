@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from labkit.lab import Experiment, ReadOptions, Stream, Trial, interval, judge, tell
+from labkit.lab import Experiment, ReadOptions, Stream, Trial, interval, judge, side, tell
 from labkit.lab.client import async_client, run_sync
 from labkit.lab.witness import until
 from labkit.prompts import PROMPTS
@@ -138,8 +138,10 @@ def goodput_tables(t: dict[str, pd.DataFrame], s: Any) -> dict[str, pd.DataFrame
     """Each repetition's pair on the same arrivals: goodput with the gate and without, and their ratio,
     (met + ½) over (met + ½), which stays finite where one side met none."""
     by = t["rows"].pivot_table(index=["repetition", "load"], columns="gate", values=["goodput", "met"])
-    ratio = (by["met", True] + 0.5) / (by["met", False] + 0.5)
-    pairs = pd.DataFrame({"gate_on": by["goodput", True], "gate_off": by["goodput", False], "ratio": ratio})
+    ratio = (side(by, ("met", True)) + 0.5) / (side(by, ("met", False)) + 0.5)
+    pairs = pd.DataFrame(
+        {"gate_on": side(by, ("goodput", True)), "gate_off": side(by, ("goodput", False)), "ratio": ratio}
+    )
     return {"pairs": pairs.reset_index()}
 
 

@@ -24,7 +24,7 @@ import pandas as pd
 
 from labkit.experiments.crosscheck import GUIDELLM
 from labkit.experiments.step_cost import STEP_COST
-from labkit.lab import Experiment, Process, Sizes, Stream, Target, Trial, interval, judge, spread, tell
+from labkit.lab import Experiment, Process, Sizes, Stream, Target, Trial, interval, judge, side, spread, tell
 from labkit.lab.client import percentile, run_sync
 from labkit.prompts import PROMPTS, cycle
 
@@ -59,7 +59,7 @@ def level_tables(tables: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.Data
 def paired(rows: pd.DataFrame, column: str, level: int) -> pd.Series:
     """``column`` at ``level`` over ``column`` at level 1, repetition by repetition."""
     by_rep = rows.pivot(index="repetition", columns="level", values=column)
-    return (by_rep[level] / by_rep[1]).dropna()
+    return (side(by_rep, level) / side(by_rep, 1)).dropna()
 
 
 def level_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
@@ -262,9 +262,10 @@ def delivery_tables(tables: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.D
     rows = tables["rows"]
     out = []
     for q in QUANTILES:
-        by = rows.pivot_table(index="repetition", columns="first_token", values=f"ttft_{q}_s").dropna()
-        ci = interval(by["step_end"].to_numpy(), others=by["prefill"].to_numpy())
-        out.append({"quantile": q, "prefill_ms": 1e3 * by["prefill"].median(), "step_end_ms": 1e3 * by["step_end"].median(),
+        by = rows.pivot_table(index="repetition", columns="first_token", values=f"ttft_{q}_s")
+        step_end, prefill = side(by, "step_end"), side(by, "prefill")
+        ci = interval(step_end.to_numpy(), others=prefill.to_numpy())
+        out.append({"quantile": q, "prefill_ms": 1e3 * prefill.median(), "step_end_ms": 1e3 * step_end.median(),
                     "step_end_over_prefill": ci.estimate, "ci_low": ci.low, "ci_high": ci.high, "n": ci.n})  # fmt: skip
     return {"by_quantile": pd.DataFrame(out)}
 
@@ -339,7 +340,7 @@ def measure_share(trial: Trial) -> dict[str, Any]:
 
 def share_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
     by = tables["rows"].pivot_table(index="repetition", columns="server", values="tokens_per_s")
-    ci = interval(by["process"].to_numpy(), others=by["thread"].to_numpy())
+    ci = interval(side(by, "process").to_numpy(), others=side(by, "thread").to_numpy())
     decided, evidence = tell(ci, 1.0, "above")
     return [judge("the client costs the in-thread server", "serving from a process of its own gives more tokens/s "
                   "than serving from a thread beside the client", "the 95% interval of process over thread lies below 1",

@@ -14,11 +14,11 @@ from labkit.lab.profiles import Profile, get_profile
 from labkit.lab.runner import Result, load, run
 from labkit.lab.stream import ReadOptions, Stream
 from labkit.lab.target import Caps, LocalLab, NotMeasurable, Process, Target, TargetError
-from labkit.lab.verdict import Interval, Verdict, every, interval, judge, seen, span, spread, tell, verdict_table
+from labkit.lab.verdict import Interval, Verdict, every, interval, judge, seen, side, span, spread, tell, verdict_table
 
 __all__ = [
     "Caps", "Experiment", "Interval", "Launch", "LocalLab", "NotMeasurable", "Process", "Profile", "ReadOptions",
     "Request", "Result", "Sizes", "Stream", "Target", "TargetError", "Trial", "Verdict", "connect", "get_profile",
-    "every", "interval", "judge", "load", "seen", "quirks_table", "run", "run_sync", "setup", "span", "spread",
+    "every", "interval", "judge", "load", "seen", "side", "quirks_table", "run", "run_sync", "setup", "span", "spread",
     "target_for", "tell", "verdict_table",
 ]  # fmt: skip
