@@ -67,6 +67,12 @@ class RedactTokens(logging.Filter):
         return True
 
 
+def no_websocket_advice(record: logging.LogRecord) -> bool:
+    """Drops uvicorn's advice, at every upgrade request, to install a WebSocket library: serving
+    none (``ws="none"``) is this service's choice, and the advice would send an operator astray."""
+    return not record.getMessage().startswith("No supported WebSocket library")
+
+
 def _uvicorn_server(app: Any, config: ServiceConfig) -> Any:
     import uvicorn
 
@@ -109,6 +115,7 @@ def _uvicorn_server(app: Any, config: ServiceConfig) -> Any:
         loop="asyncio",
         http=protocol,
         lifespan="on",
+        ws="none",  # HTTP and SSE only: an upgrade is a request like any other, answered by its route
         timeout_keep_alive=max(1, round(config.http.idle_timeout)),
         # uvicorn would believe X-Forwarded-For from any loopback peer, and a client could then
         # name itself anew on every request (the resumable share is per client)
@@ -119,6 +126,7 @@ def _uvicorn_server(app: Any, config: ServiceConfig) -> Any:
     access = logging.getLogger("uvicorn.access")  # after uvicorn.Config, which configures its loggers
     if not any(isinstance(f, RedactTokens) for f in access.filters):
         access.addFilter(RedactTokens())
+    logging.getLogger("uvicorn.error").addFilter(no_websocket_advice)  # once: a filter is added at most once
     return LabServer(uv_config)
 
 

@@ -312,3 +312,24 @@ def test_a_request_h11_cannot_read_gets_a_400_in_the_envelope_and_a_close(server
     status, body, headers = status_and_body(raw)
     assert status == 400 and headers["content-type"] == "application/json"
     assert body["error"]["type"] == "invalid_request" and "malformed" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/stream", "/healthz"])
+def test_a_websocket_upgrade_is_answered_as_plain_http_in_the_envelope(
+    server: Any, path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The service speaks HTTP and SSE only: an upgrade to WebSocket is a request like any other
+    (no 101, no bare 403 from a WebSocket library the service never uses), and its answer is the
+    route's own, in the JSON envelope where it is an error."""
+    sock = connect(server)
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade, close\r\nUpgrade: websocket\r\n"
+                 "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n".encode())  # fmt: skip
+    raw = read_until_closed(sock)
+    sock.close()
+    status, body, headers = status_and_body(raw)
+    if path == "/healthz":
+        assert status == 200
+    else:
+        assert status == 405 and headers["content-type"] == "application/json", raw
+        assert body["error"]["type"] == "method_not_allowed"
+    assert "WebSocket library" not in caplog.text  # uvicorn's advice to install one is dropped
