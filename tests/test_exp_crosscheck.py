@@ -76,8 +76,8 @@ def test_read_at_once_the_two_agree_or_part_run_by_run():
 
 
 def test_without_runs_at_once_that_verdict_is_unclear_and_the_turns_are_judged_as_before():
-    """Data saved before the at-once condition (no ``at_once`` or ``streams`` column)."""
-    old = _rows().query("not at_once").drop(columns=["at_once", "streams"])
+    """Rows of the turns alone: the at-once verdict has nothing to judge."""
+    old = _rows().query("not at_once")
     said = _said(old)
     assert said["read at once, the two agree"] == "unclear"
     assert {said[name] for name in said if name != "read at once, the two agree"} == {"holds"}

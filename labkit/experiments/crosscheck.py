@@ -195,17 +195,8 @@ def guidellm_row(bench: dict[str, Any], streams: int) -> dict[str, Any]:
 def tables(t: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
     rows = with_server_period(t["rows"]).assign(itl_over_period=lambda r: r.itl_ms / r.server_period_ms)
     columns = ["tokens_per_s", "itl_ms", "server_period_ms", "itl_over_period"]
-    return {"tools": spread(in_turns(rows), "tool", columns), "at_once": spread(together(rows), "tool", columns)}
-
-
-def in_turns(rows: pd.DataFrame) -> pd.DataFrame:
-    """The runs in which one client read the server alone (every run, in data saved before the
-    clients also read it at once)."""
-    return rows[~rows.at_once.astype(bool)] if "at_once" in rows else rows
-
-
-def together(rows: pd.DataFrame) -> pd.DataFrame:
-    return rows[rows.at_once.astype(bool)] if "at_once" in rows else rows.iloc[:0]
+    once = rows.at_once.astype(bool)
+    return {"tools": spread(rows[~once], "tool", columns), "at_once": spread(rows[once], "tool", columns)}
 
 
 def agree(rows: pd.DataFrame, column: str) -> tuple[bool | None, str]:
@@ -220,12 +211,12 @@ def agree(rows: pd.DataFrame, column: str) -> tuple[bool | None, str]:
 
 def verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
     rows, n = t["rows"], len(t["rows"])
-    asked = rows.streams if "streams" in rows else s.streams
     bar = f"GuideLLM's median over the lab client's within {AGREE[0]:g}–{AGREE[1]:g}"
-    turns = in_turns(rows)
+    once = rows.at_once.astype(bool)
+    turns = rows[~once]
     return [
         judge("both clients whole", "every request of both clients ended at its length", "any failed",
-              n > 0 and int(rows.failed.sum()) == 0 and bool((rows.tokens == asked * s.tokens).all()),
+              n > 0 and int(rows.failed.sum()) == 0 and bool((rows.tokens == rows.streams * s.tokens).all()),
               f"{int(rows.failed.sum())} failed; tokens per run {sorted(set(rows.tokens))}", checked=True),
         judge("tokens/s agree", bar, "outside it", *agree(turns, "tokens_per_s")),
         judge("inter-token latency agrees", bar, "outside it", *agree(turns, "itl_ms")),
@@ -234,7 +225,7 @@ def verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
               *own_pace(turns)),
         judge("read at once, the two agree", f"with each client reading half the streams in the same batches, "
               f"GuideLLM's tokens/s and inter-token latency over the lab client's within {AGREE[0]:g}–{AGREE[1]:g}, "
-              "every run", "a run outside it", *agree_at_once(together(rows))),
+              "every run", "a run outside it", *agree_at_once(rows[once])),
     ]  # fmt: skip
 
 
