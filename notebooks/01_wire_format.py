@@ -163,8 +163,8 @@ print(contract.checked())
 #
 # The chapter ran this with GPT-2 small on a GPU. A stream's size does not depend on the
 # hardware: it is set by the schema and by the ids and text of each token, so the two runs should
-# differ only by the tokenizer, the kind of text the model writes and, for the whole stream, the
-# number of tokens (the scale table above).
+# differ only by the tokenizer and the kind of text the model writes (the number of tokens is the
+# same: the scale table above).
 
 # %%
 # NBVAL_IGNORE_OUTPUT

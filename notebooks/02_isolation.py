@@ -175,7 +175,9 @@ logits.plot();
 # above lets one expect among them, at most (where no move beat any margin, the rate is bounded by
 # the number of margins seen, so a small run bounds it only loosely). Where that is below one, a
 # clean token comparison in the plain mode was the likely outcome whether or not the numbers
-# depend on the batch, and only the bitwise comparison can tell the two modes apart.
+# depend on the batch. Where it is above one only because the rate is that loose bound (flips per
+# 1000 at zero), the clean comparison is no evidence either way. In both cases only the bitwise
+# comparison can tell the two modes apart.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -185,11 +187,11 @@ isolation.power(streams, logits)
 # Read the two sections together. The invariant mode's claim is about bits, and section 2 checks
 # it bit for bit at every step, in both precisions; section 1 confirms it end to end, through the
 # service and the wire. The plain mode differs in bits wherever the library changes its order of
-# summation with the batch (the first differing step, usually the prefill, says where it starts),
-# and its differences grow with the depth of the network, but they turn into different tokens
-# only at near ties: the margins and the flip rate say how rare those are in float32 and how
-# common in bfloat16, where a logit has a few significant bits and exact ties between the two
-# best tokens occur. Sampling with per-request seeds is notebook 07's.
+# summation with the batch (`first_step` says where it starts; step 0 is the prefill), but a
+# difference in bits becomes a different token only at a near tie. The margins and the implied
+# flip rates say how near the ties come in float32 and in bfloat16, where a logit has a few
+# significant bits and exact ties between the two best tokens occur (`min_margin`); `flips` counts
+# the tokens that did flip in this run. Sampling with per-request seeds is notebook 07's.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -56,8 +56,8 @@ target
 # %% [markdown]
 # ## 1. A client that never reads
 #
-# Event sizes are settings, not measurements: about an ordinary token event, then larger ones
-# (the scale table lists them), repeated in the order A B C D, A B C D, … One ordinary stream is
+# Event sizes are settings, not measurements: the chapter's smallest (a token event in its
+# format, a few times one of this service's), then larger ones (the scale table lists them), repeated in the order A B C D, A B C D, … One ordinary stream is
 # also read before the floods, to size a real token event, so bytes can be read as tokens.
 #
 # * **every flood blocks**: a client that reads nothing makes the server's write block once the
@@ -130,8 +130,8 @@ flood.table("beside_chapter")
 
 # %% [markdown]
 # Read `token_events_held` for what this means to a reader: the path holds that many ordinary
-# token events before a writer waits, far more than any one answer has, while only a few of the
-# largest events fill it. A slow reader of ordinary tokens is felt by the server only after a long
+# token events before a writer waits, far more than any one answer has, while the largest events
+# fill it in far fewer (`events_accepted`). A slow reader of ordinary tokens is felt by the server only after a long
 # while; padded or very large events (notebook 05) make it felt at once.
 
 # %% [markdown]
@@ -168,9 +168,10 @@ unread.verdict_table()
 print(unread.checked())
 
 # %% [markdown]
-# `waiting_bytes` is what the client's own receive buffer held (the head included); the body
-# column is the whole stream. Where the first is the larger, the whole answer sat in the client's
-# buffer before it read a byte: the server had long finished and freed the sequence, whatever the
+# `waiting_bytes` is what the client's own receive buffer held, the head and the chunks' framing
+# included; `bytes` is the stream's events. Where the first exceeds the second by the head and
+# the framing, and the server was done before the client read (`server_done_before_read`), the
+# whole answer sat in the client's buffer before it read a byte: the server had long finished and freed the sequence, whatever the
 # reader did next. This is why a stop in reading is invisible to a server until the buffers of
 # the first section fill, and why notebook 06 detects a reader that has gone by its connection,
 # not by its writes.

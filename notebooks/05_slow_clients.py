@@ -73,13 +73,14 @@ target
 #   healthy streams finish much later than in the same repetition's run with nobody slow.
 #   Falsified if the interval (at the coverage fixed before measuring, which each verdict prints) of that ratio (pooled over k) lies below one and a half;
 #   "unclear" while it straddles it.
-# * **queues isolate the healthy**: under the other policies the healthy streams finish about as
-#   soon as with nobody slow. Falsified if for any of them the interval lies above one and a
-#   quarter.
+# * **queues isolate the healthy**: under the other policies the healthy streams finish no later
+#   than a quarter past their time with nobody slow. Holds if for each of them the interval lies
+#   below one and a quarter (below one too would mean they finish sooner beside slow readers,
+#   who read less and so cost the shared cores less); falsified if for any it lies above.
 # * **same steps** (where the target has a step log): a slow reader costs the healthy streams
 #   seconds, never engine steps: a healthy stream takes as many steps from its first token to its
 #   release as with nobody slow. Falsified by a difference of more than two steps.
-# * **policies act**: in every run `naive` never queues a slow stream's events, `unbounded` queues
+# * **policies act**: in every run `naive` queues no more of a slow stream's events than the one in hand, `unbounded` queues
 #   them past the mark, `pause` pauses it, `drop` and `pause_then_drop` cancel it. Falsified by
 #   any run in which its policy did not.
 # * **the dropped reader is told**: a dropped reader that reads on gets the `slow_client` error
@@ -100,7 +101,7 @@ policies.scale()
 
 # %% [markdown]
 # What paced the slow readers, run by run: the write rate of the policy's k = 0 run just before
-# (bytes per second, per stream) and the read it allowed.
+# (bytes per second, per stream) and the read it allowed (empty in the k = 0 runs, which pace no one).
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -27,7 +27,7 @@
 
 # %% tags=["parameters"]
 # Parameters (papermill replaces these: `papermill -p profile_name ci`). "full": SmolLM2-135M at
-# the chapter's sizes; "ci": the tiny random GPT-2, a test run. LABKIT_PROFILE in the environment
+# the notebook's sizes (each scale table says where they differ from the chapter's, and why); "ci": the tiny random GPT-2, a test run. LABKIT_PROFILE in the environment
 # that started Jupyter sets the default. target_url "": labkit in a background thread; a URL: any
 # OpenAI-compatible server (the measurements it cannot witness say so).
 import os
@@ -84,7 +84,8 @@ moments.table("by_moment")
 # steps from the close to the release; `step_ms`, the length of the step in progress. The parts
 # add up to `explained_ms` (notice, the rest of the step, and any whole steps after it), to be
 # read beside the measured `release_ms`. For the write-only class the release comes before the
-# hub's close (negative steps): the stream ran to its end, and only then did the hub close it.
+# hub's close (in milliseconds; in steps the two fall in the same step, or one apart): the stream
+# ran to its end, and only then did the hub close it.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -109,7 +110,7 @@ moments.plot();
 # FIN client and an RST client leaving at the same point of a step: right after the head, or
 # right after the same token event (which arrives right after a step ended). The waves run a few
 # pairs at once, up to the batch limit. The effect is the paired difference, FIN minus RST, in
-# the time from the client's close to the hub's close: its median with a interval (at the coverage fixed before measuring, which each verdict prints) (order
+# the time from the client's close to the hub's close: its median with an interval (at the coverage fixed before measuring, which each verdict prints) (order
 # statistics), and Wilcoxon's signed-rank test beside it.
 #
 # * **FIN and RST alike** (per moment): the two ways differ by less than an equivalence margin
@@ -190,7 +191,7 @@ print(stop.checked())
 #   error. Falsified by any failure.
 # * **listening saves work**: the listening class makes fewer tokens per token its leaving clients
 #   read than the write-only one, in every run. Falsified by any run where it does not.
-# * **not listening costs time**: the write-only class takes longer for the same plan (until the
+# * **not listening costs time** (a timing, not checked by CI): the write-only class takes longer for the same plan (until the
 #   engine let go of the last stream). Falsified if the interval (at the coverage fixed before measuring, which each verdict prints) of the ratio of the classes'
 #   times lies below one; "unclear" while it straddles it.
 

@@ -39,7 +39,7 @@
 
 # %% tags=["parameters"]
 # Parameters (papermill replaces these: `papermill -p profile_name ci`). "full": SmolLM2-135M at
-# the chapter's sizes; "ci": the tiny random GPT-2, a test run. LABKIT_PROFILE in the environment
+# the notebook's sizes (each scale table says where they differ from the chapter's, and why); "ci": the tiny random GPT-2, a test run. LABKIT_PROFILE in the environment
 # that started Jupyter sets the default. target_url "": labkit in a background thread; a URL:
 # another server (what it cannot witness is reported as not measurable).
 import os
@@ -75,7 +75,7 @@ target
 #   until its client leaves. Falsified by one released while the others still ran.
 # * **pause_then_drop gives them back**: at every stall timeout, every stalled stream is paused,
 #   then dropped while the others still run. Falsified by one held until its client left.
-# * **dropping frees slot-seconds** (one per stall timeout): fewer slot-seconds held by stalled
+# * **dropping frees slot-seconds** (one per stall timeout; a timing, not checked by CI): fewer slot-seconds held by stalled
 #   streams while requests wait than under `pause`. Falsified if the interval (at the coverage fixed before measuring, which each verdict prints) of the ratio
 #   lies above one; unclear if it straddles one.
 
@@ -100,8 +100,10 @@ print(full_batch.checked())
 # Under `pause` the stalled streams hold their slots for as long as the others take, which is
 # counted in steps and grows with the others' length; under `pause_then_drop` the hold ends a
 # stall timeout after the pause, a time in seconds, so how many steps it lasts depends on the
-# engine's speed. The others' steps show what they paid: with the slots back, they finish in
-# fewer rounds.
+# engine's speed. The others' steps (`others_steps`) show what they paid: where the slots come
+# back while the others still have far to go, they finish in fewer steps than under `pause`; a
+# stall timeout that outlasts what they had left gives nothing back in time, they take as many
+# steps as under `pause`, and that timeout's slot-seconds verdict cannot hold.
 
 # %% [markdown]
 # ## 2. Resuming with Last-Event-ID (exercise 4)
@@ -137,7 +139,7 @@ print(resume.checked())
 # ## 3. Eager formatting: what it would hold for clients that stopped reading (exercise 6)
 #
 # Four clients stop reading under `unbounded`; each stream pads its token events with an SSE
-# comment (the lab's device for making events large, in the sizes table) and leaves once the
+# comment (the lab's device for making events large: `pad_bytes` in the scale table) and leaves once the
 # engine has released every stream. The hub holds engine events and formats (and pads) each as it
 # is written; the server's records give the most events it held for each reader. Those events,
 # formatted eagerly with the service's own encoder, with and without the padding, and held as the
@@ -157,6 +159,10 @@ print(resume.checked())
 # %%
 # NBVAL_IGNORE_OUTPUT
 eager = run(extensions.EAGER, target)
+eager.scale()
+
+# %%
+# NBVAL_IGNORE_OUTPUT
 eager.table("per_reader")
 
 # %%
@@ -222,10 +228,12 @@ paged.verdict_table()
 paged.plot();
 
 # %% [markdown]
-# The gather's copy grows with context times batch, so the kernel's advantage in attention
-# grows with both; in the whole step it is diluted by the matrix products, which do not change,
-# and at a short context it can be smaller than the step's own spread from one repetition to the
-# next: there the verdict stays unclear rather than claiming a direction.
+# The gather copies every row's context into a padded tensor at every step (`copied_MiB_per_step`
+# grows with context times batch); the kernel reads the blocks where they lie. What the kernel
+# saves in attention is therefore what the copy costs, and the summary table shows how it moves
+# with context and batch in this run. In the whole step the saving is diluted by the matrix
+# products, which do not change; where it is smaller than the step's own spread from one
+# repetition to the next, the step verdict is unclear rather than claiming a direction.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

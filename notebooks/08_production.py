@@ -324,7 +324,8 @@ print(gate.checked())
 # any engine; the offered load on the figure is the one each run actually offered.
 #
 # * **the gate raises goodput above the service rate** (a timing, not checked by CI): the ratio
-#   of goodput with the gate over without it, pair by pair, has a confidence interval above 1. Falsified
+#   of requests that met their deadline with the gate over without it, pair by pair (each count
+#   plus a half, so that a side that met none stays finite), has a confidence interval above 1. Falsified
 #   if the interval lies below 1; unclear if it straddles 1 (the verdict then says how many
 #   repetitions would decide it).
 

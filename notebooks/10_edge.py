@@ -278,7 +278,8 @@ print(restart.checked())
 # * **forty sync streams queue a sync route**: with 40 sync streams every token is borrowed and the
 #   sync health route is seen waiting in most repetitions; with fewer it never waits. Falsified
 #   otherwise (counts from the limiter's books).
-# * **async streams hold no thread**: no token borrowed, nothing waiting. Falsified by any.
+# * **otherwise nothing waits**: with fewer sync streams, or with async ones, the sync health
+#   route never waits, and async streams borrow no token. Falsified by any wait or any borrowed.
 # * **the sync route pays**: at 40 sync streams the sync health route takes more than five times
 #   the async one. Falsified if the 95 percent interval of the ratio lies below five (unchecked).
 
@@ -300,8 +301,10 @@ print(threads.checked())
 threads.plot();
 
 # %% [markdown]
-# A health check is exactly the sync route that queues: a load balancer that probes it sees a
-# server that does not answer while its event loop is idle, and takes it out of service.
+# A health check is exactly the sync route that queues: a load balancer that probes it sees its
+# answer held back by the queue (`sync_health_ms` at 40 sync streams) while the event loop still
+# answers the async route, and one whose probe timeout is shorter than that wait takes a working
+# server out of service.
 
 # %% [markdown]
 # ## 7. Compression in the app
@@ -332,8 +335,10 @@ gzip.verdict_table()
 print(gzip.checked())
 
 # %% [markdown]
-# The middleware flushes after every message, so compression in the app costs bytes per event,
-# not time; the burst notebook 08 showed comes from a proxy's gzip, which waits for a full buffer.
+# The middleware flushes after every message, so compression in the app changes an event's size on
+# the wire (`wire_bytes_per_event`, `events` beside `off`) and holds none back (`bunched`). The
+# bursts notebook 08 showed come from a proxy that buffers (`X-Accel-Buffering` ignored), with or
+# without its gzip.
 
 # %% [markdown]
 # ## 8. A tab closed behind nginx

@@ -102,7 +102,7 @@ def flood_tables(tables: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.Data
                span(g.bytes_accepted, "{:,.0f}"), "bytes") for n, g in rows.groupby("event_bytes")]  # fmt: skip
     columns = ["bytes_accepted", "client_unread_bytes", "server_side_bytes", "events_accepted", "token_events_held"]
     return {"rows": rows, "by_size": spread(rows, "event_bytes", columns), "kernel": kernel,
-            "beside_chapter": pd.DataFrame(beside, columns=["quantity", "chapter (GPU)", "this run", "unit"])}  # fmt: skip
+            "beside_chapter": pd.DataFrame(beside, columns=["quantity", "chapter", "this run", "unit"])}  # fmt: skip
 
 
 def flood_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:

@@ -168,8 +168,11 @@ MOMENTS = Experiment(
     plots=moment_plots,
     needs=("lab",),
     chapter={"max_batch": (4, "four pairs side by side in one wave; the blockers fill whatever the limit is"),
-             "pairs": ("6 repetitions", "four of each way per cell (each write-only trial generates its whole limit); "
-                       "FIN against RST has its own measurement, with many pairs"),
+             "pairs": (6, "the chapter's six repetitions of each way at each moment; here four of each way per cell "
+                       "(each write-only trial generates its whole limit); FIN against RST has its own measurement, "
+                       "with many pairs"),
+             "repetitions": ("in pairs", "the chapter's repetitions are the pairs row: one repetition here runs a "
+                             "cell's four pairs side by side"),
              "blocker_tokens": (200, "they only need to outlast the waiting clients' leave, and leave after them")},
 )  # fmt: skip
 

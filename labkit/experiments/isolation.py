@@ -220,7 +220,7 @@ def logit_plots(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
         right.scatter(g.gap_moved.clip(lower=1e-9), g.margin.clip(lower=1e-9), s=30 if flipped else 6,
                       marker="x" if flipped else ".", label=f"{mode}, {dtype}{': flipped' if flipped else ''}")  # fmt: skip
     right.axline((1e-9, 1e-9), slope=1, color="gray", lw=0.8, ls=":")  # below it, the move beats the margin
-    right.set(xscale="log", yscale="log", xlabel="how far the batch moved the top-2 gap",
+    right.set(xscale="log", yscale="log", xlabel="how far the batch moved the top-2 gap (no move: at the left)",
               ylabel="solo top-2 margin (ties at the bottom)", title="A flip needs the move to beat the margin")  # fmt: skip
     for ax in (left, right):
         ax.legend(fontsize="small")

@@ -85,10 +85,11 @@ def measure(trial: Trial) -> dict[str, Any]:
     streams = launch(target, s, k, slow).streams
     t0, healthy = min(x.sent for x in streams), streams[k:]
     gaps = [g for x in healthy for g in x.gaps]
+    # writer_Bps and asked_read_bytes: what paced this run's slow readers (none at k = 0)
     row = {"healthy_done_s": max((x.ended or np.nan) - t0 for x in healthy), "healthy_gap_p50_ms": 1e3 * pct(gaps, 50),
            "healthy_gap_p99_ms": 1e3 * pct(gaps, 99), "healthy_Bps": np.nanmedian([written_rate(x) for x in healthy]),
-           "healthy_not_whole": sum(not (x.ok and x.tokens == s.tokens) for x in healthy), "writer_Bps": writer,
-           "asked_read_bytes": asked}  # fmt: skip
+           "healthy_not_whole": sum(not (x.ok and x.tokens == s.tokens) for x in healthy),
+           "writer_Bps": writer if k else np.nan, "asked_read_bytes": asked if k else np.nan}  # fmt: skip
     if k == 0:
         state["rate"][trial.policy] = row["healthy_Bps"]
     records, log = [None] * len(streams), None
@@ -168,7 +169,7 @@ def verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
                          "more than 2", False if (moved > 2).any() else None if moved.isna().any() or moved.empty
                          else True, ", ".join(f"{p} {m:+.0f}" for p, m in moved.items()),
                          checked=True))  # fmt: skip
-    if len(slow) and "server_end" in slow:
+    if len(slow) and "server_end" in slow and set(rows.policy) & set(HUB_POLICIES):  # not a server's own policy
         known = slow[slow.server_end.notna()]  # a reader whose record never came says nothing of its policy
         gone = known.server_end == "slow_client"
         act = {"naive": known.max_queue <= 2, "unbounded": known.max_queue >= s.high_water, "pause": known.pauses > 0,
@@ -200,13 +201,15 @@ def plots(t: dict[str, pd.DataFrame], s: Sizes) -> list:
     for j, (k, g) in enumerate(rows.groupby("slow")):
         left.scatter(g.policy.map(policies.index) + 0.1 * (j - 1.5), g.done_vs_k0, s=16, label=f"k = {k}")
     right.scatter(slow.policy.map(policies.index), slow.ratio, s=16)
-    left.axhline(ISOLATES, color="gray", ls="--", lw=0.8)
-    right.axhline(MAX_RATIO, color="C3", ls="--", lw=0.8)
+    left.axhline(ISOLATES, color="gray", ls="--", lw=0.8, label=f"queues' bar: {ISOLATES:g}")
+    left.axhline(DELAYS, color="C3", ls=":", lw=0.8, label=f"naive's bar: {DELAYS:g}")
+    right.axhline(MAX_RATIO, color="C3", ls="--", lw=0.8, label=f"the most a slow reader may read: {MAX_RATIO:g}")
     left.set(ylabel="healthy streams done ÷ the same repetition's k = 0", title="What the healthy pay", yscale="log")
     right.set(ylabel="slow reader's bytes/s ÷ the write rate pacing it", title="How slow the slow were", ylim=(0, 1))
     for ax in (left, right):
         ax.set_xticks(range(len(policies)), policies, rotation=20)
     left.legend(fontsize="small")
+    right.legend(fontsize="small")
     return [fig]
 
 

@@ -180,7 +180,7 @@ def contract_tables(tables: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.D
         (f"one {s.tokens}-token stream", chapter["one_stream_bytes"], span(full.bytes, "{:,.0f}"), "bytes"),
         ("one token event (a stream's mean)", "—", span(full.token_event_mean, "{:.0f}"), "bytes"),
         ("token events with an empty delta", chapter["empty_deltas"],
-         f"{int(rows.empty_deltas.sum())} of {int(rows.tokens.sum())}", "events"),
+         f"{int(rows.empty_deltas.sum()):,} of {int(rows.tokens.sum()):,}", "events"),
     ]  # fmt: skip
     return {"rows": rows, "checks": checks.astype({"passed": "Int64"}),
             "sizes": spread(full, "tokens", ["bytes", "bytes_per_token", "token_event_mean", "token_share"]),
