@@ -67,17 +67,21 @@ target
 # others wait for a slot while the stalled streams fill their queues and pause. The stalled
 # clients leave (RST) once every other request is done. From the server's records and step log:
 # the slots the stalled streams held while any request waited for one, summed over the run's
-# milliseconds (slot-seconds) and over its steps (slot-steps), and when each stalled stream was
-# released. `pause` and `pause_then_drop` at each stall timeout run on servers of their own,
-# taking turns, repetition after repetition.
+# steps (slot-steps) and over its milliseconds (slot-seconds), and when each stalled stream was
+# released. The stall timeout is counted in steps, since what it must beat is the others' work:
+# the hub's timer takes seconds, so a full batch's step is timed first and each timeout set to
+# that many steps of it (`stall_timeout_s`). `pause` and `pause_then_drop` at each stall timeout
+# run on servers of their own, taking turns, repetition after repetition.
 #
 # * **pause keeps the slots**: under `pause` every stalled stream is paused and keeps its slot
 #   until its client leaves. Falsified by one released while the others still ran.
 # * **pause_then_drop gives them back**: at every stall timeout, every stalled stream is paused,
 #   then dropped while the others still run. Falsified by one held until its client left.
-# * **dropping frees slot-seconds** (one per stall timeout; a timing, not checked by CI): fewer slot-seconds held by stalled
-#   streams while requests wait than under `pause`. Falsified if the interval (at the coverage fixed before measuring, which each verdict prints) of the ratio
-#   lies above one; unclear if it straddles one.
+# * **dropping frees slot-steps** (one per stall timeout; not checked by CI): fewer slot-steps
+#   held by stalled streams while requests wait than under `pause`. Falsified if the interval (at
+#   the coverage fixed before measuring, which each verdict prints) of the ratio lies above one;
+#   unclear if it straddles one. The design gives it room to show: the stalled streams pause some
+#   way into the others' first wave, and the longest timeout still ends before that wave does.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -97,13 +101,12 @@ full_batch.verdict_table()
 print(full_batch.checked())
 
 # %% [markdown]
-# Under `pause` the stalled streams hold their slots for as long as the others take, which is
-# counted in steps and grows with the others' length; under `pause_then_drop` the hold ends a
-# stall timeout after the pause, a time in seconds, so how many steps it lasts depends on the
-# engine's speed. The others' steps (`others_steps`) show what they paid: where the slots come
-# back while the others still have far to go, they finish in fewer steps than under `pause`; a
-# stall timeout that outlasts what they had left gives nothing back in time, they take as many
-# steps as under `pause`, and that timeout's slot-seconds verdict cannot hold.
+# Under `pause` the stalled streams hold their slots for as long as the others take, which grows
+# with the others' length; under `pause_then_drop` the hold ends a stall timeout after the pause.
+# The others' steps (`others_steps`) show what they paid: the earlier the slots come back while
+# requests still wait, the fewer steps the others take. A stall timeout that outlasted the others'
+# first wave would give nothing back in time: they would take as many steps as under `pause`.
+# Counted in steps, where that line falls does not move with the engine's speed.
 
 # %% [markdown]
 # ## 2. Resuming with Last-Event-ID (exercise 4)

@@ -39,15 +39,16 @@ def test_slots_held_while_waiting_count_only_moments_when_someone_waited():
     assert extensions.held_while_waiting(times, [], [10.0]) == 0
 
 
-def _batch_rows(pause_dropped=0, ptd_dropped=2, failed=0, pause_s=(3.0, 3.2, 2.9) * 2, ptd_s=(0.1, 0.2, 0.15) * 2):
+def _batch_rows(pause_dropped=0, ptd_dropped=2, failed=0, pause_steps=(600, 610, 590) * 2, ptd_steps=(10, 20, 15) * 2):
+    """Slot-steps held while others waited: under pause, and dropping 8 steps after the pause."""
     rows = []
     for rep in range(6):
-        rows.append({"policy": "pause", "stall_s": math.inf, "repetition": rep, "stalled_slot_s": pause_s[rep],
-                     "stalled_slot_steps": 600, "others_done_s": 2.0, "others_steps": 600, "stalled_paused": 2,
-                     "stalled_dropped": pause_dropped, "others_failed": failed})  # fmt: skip
-        rows.append({"policy": "pause_then_drop", "stall_s": 0.25, "repetition": rep, "stalled_slot_s": ptd_s[rep],
-                     "stalled_slot_steps": 10, "others_done_s": 1.0, "others_steps": 300, "stalled_paused": 2,
-                     "stalled_dropped": ptd_dropped, "others_failed": 0})  # fmt: skip
+        rows.append({"policy": "pause", "stall_steps": math.inf, "stall_timeout_s": math.inf, "repetition": rep, "stalled_slot_s": 3.0,
+                     "stalled_slot_steps": pause_steps[rep], "others_done_s": 2.0, "others_steps": 600,
+                     "stalled_paused": 2, "stalled_dropped": pause_dropped, "others_failed": failed})  # fmt: skip
+        rows.append({"policy": "pause_then_drop", "stall_steps": 8, "stall_timeout_s": 0.2, "repetition": rep, "stalled_slot_s": 0.1,
+                     "stalled_slot_steps": ptd_steps[rep], "others_done_s": 1.0, "others_steps": 300,
+                     "stalled_paused": 2, "stalled_dropped": ptd_dropped, "others_failed": 0})  # fmt: skip
     return pd.DataFrame(rows)
 
 
@@ -61,8 +62,8 @@ def test_full_batch_verdicts_fail_on_a_release_a_hold_or_a_failed_request():
     assert held["pause_then_drop gives them back"] == "falsified"
     failed = judged(extensions.FULL_BATCH, _batch_rows(failed=1), slow=2)
     assert failed["pause keeps the slots"] == failed["pause_then_drop gives them back"] == "falsified"
-    worse = judged(extensions.FULL_BATCH, _batch_rows(ptd_s=(5.0, 6.0, 7.0) * 2), slow=2)
-    assert worse["dropping after 0.25 s frees slot-seconds"] == "falsified"
+    worse = judged(extensions.FULL_BATCH, _batch_rows(ptd_steps=(700, 800, 900) * 2), slow=2)
+    assert worse["dropping after 8 steps frees slot-steps"] == "falsified"
 
 
 # --------------------------------------------------------------------------- resuming

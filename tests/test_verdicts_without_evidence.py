@@ -76,8 +76,8 @@ def _sampling() -> Any:
 
 
 def _full_batch() -> Any:
-    rows = pd.DataFrame({"policy": ["pause"], "stall_s": [np.inf], "stalled_paused": [2], "others_failed": [0],
-                         "stalled_dropped": [0], "stalled_slot_s": [1.0]})  # fmt: skip
+    rows = pd.DataFrame({"policy": ["pause"], "stall_steps": [np.inf], "stalled_paused": [2], "others_failed": [0],
+                         "stalled_dropped": [0], "stalled_slot_steps": [40]})  # fmt: skip
     return extensions.full_batch_verdicts({"rows": rows}, extensions.FULL_BATCH.sizes_for("ci"))
 
 
