@@ -39,3 +39,25 @@ def test_overlap_in_steps_holds_when_a_step_serves_the_level_and_is_unclear_with
     assert _said(rows)["overlap in steps"] == "holds"
     assert _said(rows.assign(tokens_per_step=1.0))["overlap in steps"] == "falsified"
     assert _said(rows.assign(tokens_per_step=float("nan")))["overlap in steps"] == "unclear"
+
+
+def _delivery(step_end_over_prefill: list[float]) -> dict[str, str]:
+    """Six repetitions of both delivery modes; every quantile of step-end's first tokens is the
+    repetition's ratio times prefill's."""
+    rows = []
+    for rep, ratio in enumerate(step_end_over_prefill):
+        for mode, scale in (("prefill", 1.0), ("step_end", ratio)):
+            rows.append({"first_token": mode, "repetition": rep, "failed": 0}
+                        | {f"ttft_{q}_s": 0.5 * scale for q in overlap.QUANTILES})  # fmt: skip
+    t = {"rows": pd.DataFrame(rows)}
+    t.update(overlap.delivery_tables(t, None))
+    return {v.name: v.outcome for v in overlap.delivery_verdicts(t, None)}
+
+
+def test_first_tokens_of_one_pass_are_the_same_either_way_and_a_real_difference_falsifies_it():
+    """Within the band fixed before measuring holds; a step-end delivery twice as late (what
+    per-prompt prefills would give the median) is falsified; a spread across the band's edge is unclear."""
+    names = ("one pass, one moment: the median", "one pass, one moment: the last")
+    assert [_delivery([1.0, 1.05, 0.97, 1.02, 1.1, 0.95])[n] for n in names] == ["holds", "holds"]
+    assert [_delivery([2.0, 1.9, 2.2, 2.1, 1.8, 2.05])[n] for n in names] == ["falsified", "falsified"]
+    assert [_delivery([1.0, 1.5, 0.9, 1.4, 1.1, 1.3])[n] for n in names] == ["unclear", "unclear"]

@@ -158,8 +158,8 @@ def _storm_fixed_only() -> Any:
 
 CASES: dict[str, tuple[Callable[[], Any], list[str]]] = {
     "overlap: levels without level 1": (_levels_without_one, ["overlap", "per-stream gap"]),
-    "overlap: delivery with one mode": (_delivery_one_mode, ["prefill delivery: earlier at the median",
-                                                             "prefill delivery: the last sooner too"]),
+    "overlap: delivery with one mode": (_delivery_one_mode, ["one pass, one moment: the median",
+                                                             "one pass, one moment: the last"]),
     "overlap: client share with one server": (_share_one_server, ["the client costs the in-thread server"]),
     "production: goodput with the gate on only": (_goodput_gate_on_only, ["the gate raises goodput above the service rate"]),
     "edge: storm with the fixed delay only": (_storm_fixed_only, ["jitter flattens the herd", "jitter meets fewer refusals"]),
