@@ -243,3 +243,30 @@ def test_a_refused_attempt_does_not_keep_an_abandoned_stream_alive(tiny_gpt2: An
                     assert response.status_code == 404
                 time.sleep(0.02)
         assert record.finish_reason == "cancelled" and record.tokens_generated < 400
+
+
+def test_one_stream_has_at_most_max_followers_at_once_and_a_place_frees_when_one_leaves(tiny_gpt2: Any) -> None:
+    """Each event wakes every follower of a stream and each replays from the log: one client that
+    fanned its own stream out to hundreds of followers slowed every other stream (a hostile review)."""
+    from labkit.service.resume import MAX_FOLLOWERS
+
+    with lab_server(tiny_gpt2) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+        creator = RawClient(server.url).post("/v1/stream", {**BODY, "max_new_tokens": 200})
+        start = creator.read_events(2)[0][1]
+        rid, token = start["request_id"], start["resume_token"]
+        server.engine.pause(rid)  # the run stands still, so every follower stays attached
+        path, headers = f"/v1/streams/{rid}/events?after=1", {"X-Resume-Token": token}
+        followers = [RawClient(server.url).request("GET", path, headers=headers) for _ in range(MAX_FOLLOWERS - 1)]
+        for follower in followers:
+            follower.read_events(1)
+            assert follower.status == 200
+        refused = http.get(path, headers=headers)
+        assert refused.status_code == 429 and refused.json()["error"]["type"] == "queue_full", refused.text
+        assert "followers" in refused.json()["error"]["message"] and refused.headers["Retry-After"]
+        followers.pop().close_fin()
+        wait_until(lambda: server.service.resume.get(rid).followers < MAX_FOLLOWERS, what="the follower to leave")
+        again = RawClient(server.url).request("GET", path, headers=headers)
+        assert again.read_events(1) and again.status == 200
+        server.engine.resume(rid)
+        for client in (creator, again, *followers):
+            assert client.read_to_end()[-1][0] == "done"

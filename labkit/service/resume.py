@@ -27,6 +27,10 @@ at no cost to themselves), and one client, told apart by its address (``request.
 peer, or ``X-Forwarded-For`` from a proxy named in ``--forwarded-allow-ips``), may hold only ``resumable_share`` of
 them, so that no single client can take them all.
 
+One stream has at most :data:`MAX_FOLLOWERS` followers at once (its creator counts; more get
+429 ``queue_full``): each event wakes every follower, and each replays from the log, so a client
+that fanned its own stream out to a few hundred followers slowed every other stream by half.
+
 Because the pump always reads at once, slow-reader policies never see a resumable stream: its
 backlog lives in the log, bounded by the token budget and ``resume_log_events``.
 
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import secrets
 from collections import Counter, deque
 from collections.abc import AsyncIterator
@@ -48,14 +53,16 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response
 
 from labkit.hub import Hub, Stream
-from labkit.schema import StreamEncoder, as_sent, clip
+from labkit.schema import StreamEncoder, as_sent, clip, error_envelope
 from labkit.service import openapi
 from labkit.service.errors import ServiceError
 from labkit.service.frames import PING, Frame, frames, wire_bytes
 from labkit.service.responses import sse_response
 from labkit.service.resume_store import MemoryStore, ResumeStore, StoredLog, StoreUnavailable
+from labkit.sse import ServerSentEvent
 
 router = APIRouter()
+MAX_FOLLOWERS = 4  # at once, per stream: its creator, a reconnect the server has not yet seen leave, a tab or two
 
 
 class EventLog:
@@ -209,6 +216,9 @@ class ResumeRegistry:
     def check_cursor(self, rid: str, token: str | None, cursor: int) -> EventLog | None:
         """The log to follow; None for "finished, nothing left" (204); or raise the refusal."""
         log = self.find(rid, token)
+        if log.followers >= MAX_FOLLOWERS:
+            retry = {"Retry-After": str(self.limits.retry_after_s)}
+            raise ServiceError(429, "queue_full", f"this stream has {MAX_FOLLOWERS} followers, the most at once", retry)
         return log if to_follow(log, cursor) else None
 
     async def check_stored(self, rid: str, token: str | None, cursor: int) -> StoredLog | None:
@@ -231,7 +241,12 @@ class ResumeRegistry:
             return
 
     async def follow(self, log: EventLog, cursor: int) -> AsyncIterator[bytes]:
-        """Replay what is after ``cursor``, then follow live until the terminal event."""
+        """Replay what is after ``cursor``, then follow live until the terminal event; an error
+        event if more followers came between their checks and here (the check raced)."""
+        if log.followers >= MAX_FOLLOWERS:
+            message = f"this stream has {MAX_FOLLOWERS} followers, the most at once"
+            yield ServerSentEvent(data=json.dumps(error_envelope("queue_full", message)), event="error").encode()
+            return
         self._attach(log)
         try:
             while True:
