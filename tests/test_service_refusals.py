@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import re
+import socket
 from typing import Any
 
 import httpx
@@ -84,6 +85,21 @@ def test_a_compressed_body_is_refused_with_415_and_the_coding_it_would_take(serv
     assert_envelope(response, 415, "unsupported_media_type")
     assert response.headers["accept-encoding"] == "identity" and "gzip" in response.json()["error"]["message"]
     assert plain.status_code == 200, plain.text
+
+
+@pytest.mark.parametrize("head", ["content-type: text/plain", "content-type: application/json\r\ncontent-encoding: gzip"],
+                         ids=["text", "gzip"])
+def test_a_body_its_head_already_refuses_is_not_asked_for(server: Any, head: str) -> None:
+    """With ``Expect: 100-continue`` its headers settle the 415, so the server does not answer
+    ``100 Continue`` and then refuse half a megabyte it asked for (a hostile review)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        sock.sendall((f"POST /v1/generate HTTP/1.1\r\nHost: 127.0.0.1\r\n{head}\r\ncontent-length: 500000\r\n"
+                      "expect: 100-continue\r\n\r\n").encode())
+        raw = b""
+        while b"\r\n\r\n" not in raw:  # the old answer: 100 Continue
+            raw += sock.recv(65536)
+    assert raw.startswith(b"HTTP/1.1 415 "), raw[:200]
 
 
 def test_a_refused_content_header_is_quoted_as_it_was_sent(server: Any) -> None:

@@ -314,12 +314,18 @@ class OffLoopBody(APIRoute):
             return handler
 
         async def route(request: Request) -> Response:
+            headers = request.headers
+            if headers.get("expect", "").lower() == "100-continue":
+                # refused by its head alone, the body not asked for (RFC 9110, 10.1.1); without the
+                # expectation the body is read first: closing on an unread body could reset the
+                # connection under the client before it read the refusal
+                _refuse_unless_json(headers.get("content-type"), headers.getlist("content-encoding"))
             try:
                 body = await request.body()
             except ClientDisconnect:  # gone before its body was whole: no one to answer, no server error
                 return Response(status_code=CLIENT_CLOSED)
             if body:  # empty: FastAPI's "body: Field required"
-                _refuse_unless_json(request.headers.get("content-type"), request.headers.getlist("content-encoding"))
+                _refuse_unless_json(headers.get("content-type"), headers.getlist("content-encoding"))
                 request._json = await off_loop(parse_body, field, body, size=len(body), inline=INLINE_BODY_BYTES)
             return await handler(request)
 
