@@ -275,6 +275,14 @@ def test_clip_cuts_an_echoed_value_short_and_keeps_it_encodable() -> None:
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/chat/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
+     "modalities"),
+    ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
+     "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "tool_calls"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None,
+     "function_call": {"name": "f", "arguments": "{}"}}]}, "function_call"),
     ("/v1/completions", {"logprobs": 1}, "logprobs"),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"best_of": 2}, "best_of"),
@@ -288,9 +296,24 @@ def test_an_openai_option_this_server_does_not_support_is_refused_by_name(
     assert name in error["message"] and "not supported" in error["message"]
 
 
+@pytest.mark.parametrize("fields, name", [
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "image_url": {"url": "http://x"}}]}]},
+     "image_url"),
+    ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_what_a_text_only_server_would_drop_without_a_word_is_refused_by_name(
+        server: Any, fields: dict[str, Any], name: str) -> None:
+    """An image riding on a text part, usage asked for a response that is not a stream (OpenAI
+    refuses it too): accepted and ignored, the client would get less than it asked for."""
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        error = assert_refused_plainly(client.post("/v1/chat/completions", json=chat_body(fields)), 422, "invalid_request")
+    assert name in error["message"], error
+
+
 def test_the_default_values_of_unsupported_options_are_accepted(server: Any) -> None:
     defaults = {"response_format": {"type": "text"}, "top_logprobs": None, "logprobs": False, "n": 1,
-                "tools": [], "tool_choice": "none", "presence_penalty": 0, "logit_bias": {}}
+                "tools": [], "tool_choice": "none", "presence_penalty": 0, "logit_bias": {}, "modalities": ["text"],
+                "audio": None, "web_search_options": None}
     with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
         assert client.post("/v1/chat/completions", json=chat_body(defaults)).status_code == 200
 

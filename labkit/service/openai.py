@@ -6,9 +6,11 @@ then ``data: [DONE]``; with ``stream_options.include_usage`` every chunk carries
 and one last chunk with empty ``choices`` carries the usage. An error after the first byte is a
 ``data: {"error": {...}}`` chunk (the client raises ``APIError`` on it), then ``[DONE]``.
 
-Departures, on purpose: one choice, plain text, no tools. ``n`` > 1, ``best_of``, ``echo``,
+Departures, on purpose: one choice, plain text, no tools, no audio, no web search. ``n`` > 1, ``best_of``, ``echo``,
 ``suffix``, ``logprobs``/``top_logprobs``, penalties, ``logit_bias``, a ``response_format`` other
-than text, tools, ``tool_choice``/``functions`` that could call one, and ``tool`` messages are
+than text, tools, ``tool_choice``/``functions`` that could call one, ``tool`` messages and an
+assistant's ``tool_calls``, ``modalities`` other than text, ``audio``, ``web_search_options``, a
+content part with more than its text, and ``stream_options`` without a stream are
 refused with 422 naming the field, rather than ignored, so a client never receives something
 other than what it asked for; each accepts its "off" value (``n: 1``, ``tools: []``, ...), and
 the OpenAPI schema says exactly that. The ``model`` field is accepted whatever it
@@ -25,7 +27,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from labkit.engine.events import FinishEvent, TokenEvent
 from labkit.hub.stream import Stream
@@ -88,6 +90,12 @@ class _Sampling(BaseModel):
     frequency_penalty: Annotated[Annotated[float, Field(ge=0, le=0)] | None, accepting(0)] = None
     logit_bias: Annotated[Annotated[dict[str, Any], Field(max_length=0)] | None, accepting({})] = None
 
+    @model_validator(mode="after")
+    def _usage_needs_a_stream(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:  # OpenAI refuses it too
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
 
 class CompletionRequest(_Sampling):
     prompt: (
@@ -104,7 +112,7 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")  # an image_url or audio riding on it would be dropped unsaid
     type: Literal["text"]
     text: Text
 
@@ -113,6 +121,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    tool_calls: Annotated[Annotated[list[Any], Field(max_length=0)] | None, accepting([])] = None
+    function_call: Annotated[None, accepting()] = None
 
 
 class ChatRequest(_Sampling):
@@ -126,6 +136,11 @@ class ChatRequest(_Sampling):
     tool_choice: Annotated[Literal["none", "auto"] | None, accepting("none", "auto")] = None
     functions: Annotated[Annotated[list[Any], Field(max_length=0)] | None, accepting([])] = None
     function_call: Annotated[Literal["none", "auto"] | None, accepting("none", "auto")] = None
+    modalities: Annotated[
+        Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None, accepting(["text"])
+    ] = None
+    audio: Annotated[None, accepting()] = None
+    web_search_options: Annotated[None, accepting()] = None
 
 
 # -- prompts -----------------------------------------------------------------------------------
