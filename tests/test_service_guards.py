@@ -122,3 +122,21 @@ def test_a_flood_at_its_bounds_is_accepted(tiny_gpt2: Any) -> None:
         with client.stream("POST", "/lab/flood", json={"event_bytes": 1 << 20, "count": 2}) as response:
             assert response.status_code == 200
             assert sum(len(chunk) for chunk in response.iter_bytes()) == 2 << 20
+
+
+def test_a_health_probe_by_head_gets_the_status_without_a_body(tiny_gpt2: Any) -> None:
+    """A load balancer or ``curl -I`` probes with HEAD: a 405 would read as a failing server."""
+    with lab_server(tiny_gpt2) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        for path in ("/healthz", "/health"):
+            head = client.head(path)
+            assert head.status_code == 200 and head.content == b"", (path, head.status_code)
+            assert head.headers["content-type"] == "application/json"
+
+
+@pytest.mark.parametrize("path, method", [("/v1/stream/", "POST"), ("/healthz/", "GET"), ("/v1/streams/x/events/", "GET")])
+def test_a_trailing_slash_is_an_unknown_path_not_a_redirect(tiny_gpt2: Any, path: str, method: str) -> None:
+    """Starlette's redirect carried the query (a resume ?token=) to a Location built from Host."""
+    with lab_server(tiny_gpt2) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        response = client.request(method, path + "?token=secret", json={"prompt": "x"} if method == "POST" else None)
+    assert response.status_code == 404 and response.json()["error"]["type"] == "not_found", response.status_code
+    assert "location" not in response.headers

@@ -21,7 +21,8 @@ CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.cont
           checks.response_schema_conformance]
 WITH_INPUT = ["POST /v1/stream", "POST /v1/generate", "POST /v1/completions", "POST /v1/chat/completions",
               "GET /v1/streams/{request_id}/events"]
-WITHOUT_INPUT = ["GET /v1/models", "GET /stats", "GET /healthz", "GET /health", "GET /metrics"]
+WITHOUT_INPUT = ["GET /v1/models", "GET /stats", "GET /healthz", "GET /health", "HEAD /healthz", "HEAD /health",
+                 "GET /metrics"]
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,7 @@ def build_app(engine: Any, hub: Any, config: ServiceConfig) -> FastAPI:
         docs_url="/docs" if docs else None,
         redoc_url="/redoc" if docs else None,
         openapi_url="/openapi.json" if docs else None,
+        redirect_slashes=False,  # "/v1/stream/" is a 404 in the envelope, not a 307 carrying ?token= along
     )
     add_gzip(app, config.http.gzip)  # first added, so innermost: it sees only what the routes answer
     app.add_middleware(BodyLimit, limit=config.http.max_body_bytes)
@@ -82,8 +83,9 @@ def _add_operations(app: FastAPI) -> None:
     async def stats(request: Request) -> dict[str, Any]:
         return request.app.state.service.stats().as_dict()
 
-    @app.get("/healthz", responses=openapi.HEALTH)
-    @app.get("/health", responses=openapi.HEALTH)  # the name vLLM, llama.cpp's server and GuideLLM use
+    # HEAD too: a load balancer's or `curl -I`'s probe (RFC 9110 9.1: a server supports GET and HEAD)
+    @app.api_route("/healthz", methods=["GET", "HEAD"], responses=openapi.HEALTH)
+    @app.api_route("/health", methods=["GET", "HEAD"], responses=openapi.HEALTH)  # vLLM's, llama.cpp's, GuideLLM's
     async def healthz(request: Request) -> Response:
         service: Service = request.app.state.service
         if service.hub.draining:
