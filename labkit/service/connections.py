@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -235,7 +237,10 @@ class GuardedH11Protocol(H11Protocol):
             self._arm_send()  # the client reads, slowly: that is progress
             return
         self.guards.on_close("send_timeout")
-        self.transport.abort()  # RST: the kernel drops what it holds for this client
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:  # linger 0: the close is an RST and the kernel drops what it holds for this
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # client (else a FIN
+        self.transport.abort()  # waits behind the queued bytes, and the client reads them on)
 
     # -- the cap --------------------------------------------------------------------------------
     def _capped(self, app: Any) -> Any:
