@@ -317,6 +317,20 @@ def test_a_request_h11_cannot_read_gets_a_400_in_the_envelope_and_a_close(server
     assert body["error"]["type"] == "invalid_request" and "malformed" in body["error"]["message"]
 
 
+@pytest.mark.parametrize("tail", [MALFORMED["two-lengths"], MALFORMED["no-host"], b"GARBAGE \x00\x01\xff\r\n\r\n"],
+                         ids=["two-lengths", "no-host", "garbage"])
+def test_a_malformed_request_pipelined_behind_a_stream_gets_its_400_after_it(server: Any, tail: bytes) -> None:
+    """The stream first, whole; then the 400 in the envelope, not a silent close (a hostile review)."""
+    sock = connect(server)
+    sock.sendall(b"POST /v1/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(GENERATE), GENERATE) + tail)
+    raw = read_until_closed(sock)
+    sock.close()
+    first, _, rest = raw.partition(b"event: done")
+    assert first.startswith(b"HTTP/1.1 200 ") and rest, raw[:300]
+    assert b"HTTP/1.1 400 " in rest and b'"invalid_request"' in rest, rest[-300:]
+
+
 @pytest.mark.parametrize("path", ["/v1/stream", "/healthz"])
 def test_a_websocket_upgrade_is_answered_as_plain_http_in_the_envelope(
     server: Any, path: str, caplog: pytest.LogCaptureFixture

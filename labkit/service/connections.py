@@ -204,9 +204,10 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request h11 cannot read (two lengths, a bad chunk size, no Host in
-        HTTP/1.1, a head past h11's 16 KiB): the same 400 and close, in the JSON envelope. Once a
-        response has started on the connection nothing more can be said, and it only closes."""
-        if self.cycle is None or not self.cycle.response_started:
+        HTTP/1.1, a head past h11's 16 KiB): the same 400 and close, in the JSON envelope, also to a
+        request pipelined behind a finished response. While a response is under way nothing more
+        can be said, and it only closes."""
+        if self.cycle is None or not self.cycle.response_started or self.cycle.response_complete:
             self.transport.write(_raw_response(400, "invalid_request", MALFORMED))
         self.transport.close()
 
