@@ -280,7 +280,8 @@ print(peers.checked(stops))
 # against the same server's rounds with none: notebook 05's measurement, with each server's own
 # policy where notebook 05 sets labkit's. The effect is the healthy streams' completion over the
 # same round's without a slow reader, pooled over the slow counts (six paired ratios, the fewest
-# that give a 95% interval), and judged by that interval against notebook 05's bar: "unclear"
+# that give an interval at the coverage fixed before measuring, a setting the verdict prints), and
+# judged by that interval against notebook 05's bar: "unclear"
 # where the interval straddles the bar, however far its median lies from it. The verdicts on
 # labkit's policies (whether each acted, whether a dropped reader was told) are notebook 05's, not
 # made here: each server runs its own.

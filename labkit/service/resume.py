@@ -63,6 +63,7 @@ from labkit.sse import ServerSentEvent
 
 router = APIRouter()
 MAX_FOLLOWERS = 4  # at once, per stream: its creator, a reconnect the server has not yet seen leave, a tab or two
+CROWDED = f"this stream has {MAX_FOLLOWERS} followers, the most at once"
 
 
 class EventLog:
@@ -218,7 +219,7 @@ class ResumeRegistry:
         log = self.find(rid, token)
         if log.followers >= MAX_FOLLOWERS:
             retry = {"Retry-After": str(self.limits.retry_after_s)}
-            raise ServiceError(429, "queue_full", f"this stream has {MAX_FOLLOWERS} followers, the most at once", retry)
+            raise ServiceError(429, "queue_full", CROWDED, retry)
         return log if to_follow(log, cursor) else None
 
     async def check_stored(self, rid: str, token: str | None, cursor: int) -> StoredLog | None:
@@ -244,8 +245,7 @@ class ResumeRegistry:
         """Replay what is after ``cursor``, then follow live until the terminal event; an error
         event if more followers came between their checks and here (the check raced)."""
         if log.followers >= MAX_FOLLOWERS:
-            message = f"this stream has {MAX_FOLLOWERS} followers, the most at once"
-            yield ServerSentEvent(data=json.dumps(error_envelope("queue_full", message)), event="error").encode()
+            yield ServerSentEvent(data=json.dumps(error_envelope("queue_full", CROWDED)), event="error").encode()
             return
         self._attach(log)
         try:
