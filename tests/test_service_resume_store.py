@@ -248,6 +248,47 @@ def test_store_cost_reports_latency_and_bytes_per_event(redis_url: str) -> None:
 
 
 @needs_redis
+def test_followers_from_the_store_are_capped_per_stream_and_in_all(tiny_gpt2: Any, redis_url: str) -> None:
+    """A server that follows another's streams from the store holds them to MAX_FOLLOWERS each, as
+    its own, and to the store's ``readers`` in all: each follower holds a Redis connection in a
+    blocking read, and a run's write that found none free failed every resumable stream (a review)."""
+    from service_helpers import wait_until
+
+    from labkit.service.resume import CROWDED, MAX_FOLLOWERS
+
+    long = {**BODY, "max_new_tokens": 200}
+    with lab_server(tiny_gpt2, resume_store=redis_url) as runs, lab_server(tiny_gpt2, resume_store=redis_url) as other:
+        creators = [RawClient(runs.url).post("/v1/stream", long) for _ in range(2)]
+        starts = [c.read_events(2)[0][1] for c in creators]
+        for start in starts:
+            runs.engine.pause(start["request_id"])  # standing still, so every follower stays attached
+
+        def follow(start: dict[str, Any]) -> RawClient:
+            return RawClient(other.url).request("GET", f"/v1/streams/{start['request_id']}/events?after=2",
+                                                headers={"X-Resume-Token": start["resume_token"]})
+
+        first = [follow(starts[0]) for _ in range(MAX_FOLLOWERS)]
+        wait_until(lambda: sum(other.service.resume._stored.values()) == MAX_FOLLOWERS, what="the followers")
+        refused = follow(starts[0])
+        refused.read_to_end()
+        assert refused.status == 429 and refused.json()["error"] == {"type": "queue_full", "message": CROWDED}
+        other.service.resume.store.readers = MAX_FOLLOWERS + 1  # as if the store had one reader left
+        second = follow(starts[1])
+        wait_until(lambda: sum(other.service.resume._stored.values()) == MAX_FOLLOWERS + 1, what="the follower")
+        busy = follow(starts[1])
+        busy.read_to_end()
+        assert busy.status == 429 and "resume store" in busy.json()["error"]["message"], busy.raw
+        first.pop().close_fin()
+        wait_until(lambda: sum(other.service.resume._stored.values()) == MAX_FOLLOWERS, what="the follower to leave")
+        first.append(follow(starts[0]))
+        for start in starts:
+            runs.engine.resume(start["request_id"])
+        for client in (*creators, *first, second):
+            assert client.read_to_end()[-1][0] == "done"
+        wait_until(lambda: not other.service.resume._stored, what="every follower to leave")
+
+
+@needs_redis
 @pytest.mark.slow
 def test_a_server_killed_mid_run_leaves_a_log_the_next_server_ends_with_a_shutdown_error(
         tiny_gpt2: Any, redis_url: str) -> None:

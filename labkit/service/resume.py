@@ -30,6 +30,9 @@ them, so that no single client can take them all.
 One stream has at most :data:`MAX_FOLLOWERS` followers at once (its creator counts; more get
 429 ``queue_full``): each event wakes every follower, and each replays from the log, so a client
 that fanned its own stream out to a few hundred followers slowed every other stream by half.
+The cap holds for a stream followed from the store too, and those followers together are bounded
+by the store's ``readers``: each holds one of its connections in a blocking read, and the runs'
+writes need the rest (a write that waits too long fails every resumable run on this server).
 
 Because the pump always reads at once, slow-reader policies never see a resumable stream: its
 backlog lives in the log, bounded by the token budget and ``resume_log_events``.
@@ -139,6 +142,7 @@ class ResumeRegistry:
         self.limits = limits
         self._logs: dict[str, EventLog] = {}
         self._held: Counter[str] = Counter()  # logs alive, by client
+        self._stored: Counter[str] = Counter()  # followers of logs this process only reads, by id
 
     def __len__(self) -> int:
         return len(self._logs)
@@ -217,10 +221,20 @@ class ResumeRegistry:
     def check_cursor(self, rid: str, token: str | None, cursor: int) -> EventLog | None:
         """The log to follow; None for "finished, nothing left" (204); or raise the refusal."""
         log = self.find(rid, token)
-        if log.followers >= MAX_FOLLOWERS:
-            retry = {"Retry-After": str(self.limits.retry_after_s)}
-            raise ServiceError(429, "queue_full", CROWDED, retry)
+        self._refuse_crowd(log.followers)
         return log if to_follow(log, cursor) else None
+
+    def _crowded(self, followers: int, stored: bool = False) -> str | None:
+        """Why one more follower is refused: its stream's cap, or (from the store) the store's readers."""
+        if followers >= MAX_FOLLOWERS:
+            return CROWDED
+        if stored and sum(self._stored.values()) >= self.store.readers:
+            return f"the resume store serves {self.store.readers} followers at once, the most"
+        return None
+
+    def _refuse_crowd(self, followers: int, stored: bool = False) -> None:
+        if why := self._crowded(followers, stored):
+            raise ServiceError(429, "queue_full", why, {"Retry-After": str(self.limits.retry_after_s)})
 
     async def check_stored(self, rid: str, token: str | None, cursor: int) -> StoredLog | None:
         """:meth:`check_cursor` for a stream this process does not hold, asked of the store."""
@@ -231,21 +245,31 @@ class ResumeRegistry:
         if log is None:
             self.find(rid, None)  # raises the very 404 of an unknown id
         assert log is not None
+        self._refuse_crowd(self._stored[rid], stored=True)
         return log if to_follow(log, cursor) else None
 
     async def follow_stored(self, log: StoredLog, cursor: int) -> AsyncIterator[bytes]:
-        """Replay and follow a stored log; a store that fails mid-way cuts the stream (the client resumes)."""
+        """Replay and follow a stored log; a store that fails mid-way cuts the stream (the client
+        resumes); an error event if more followers came between their checks and here."""
+        if why := self._crowded(self._stored[log.rid], stored=True):
+            yield ServerSentEvent(data=json.dumps(error_envelope("queue_full", why)), event="error").encode()
+            return
+        self._stored[log.rid] += 1
         try:
             async for frame in self.store.follow(log, cursor, self.keepalive):
                 yield PING.data if frame is None else wire_bytes(frame, self.pad_bytes)
         except StoreUnavailable:
             return
+        finally:
+            self._stored[log.rid] -= 1
+            if not self._stored[log.rid]:
+                del self._stored[log.rid]
 
     async def follow(self, log: EventLog, cursor: int) -> AsyncIterator[bytes]:
         """Replay what is after ``cursor``, then follow live until the terminal event; an error
         event if more followers came between their checks and here (the check raced)."""
-        if log.followers >= MAX_FOLLOWERS:
-            yield ServerSentEvent(data=json.dumps(error_envelope("queue_full", CROWDED)), event="error").encode()
+        if why := self._crowded(log.followers):
+            yield ServerSentEvent(data=json.dumps(error_envelope("queue_full", why)), event="error").encode()
             return
         self._attach(log)
         try:

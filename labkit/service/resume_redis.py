@@ -34,6 +34,7 @@ REFRESH_S = 1.0  # a live run refreshes its lease (and the keys' expiry) this of
 WAIT_S = 1.0  # a reader blocks this long per XREAD, then checks the lease
 OP_TIMEOUT_S = 5.0  # a Redis call that takes longer fails as StoreUnavailable
 POOL = 256  # connections to Redis per server at most (each follower's XREAD BLOCK holds one a while)
+READERS = POOL // 2  # followers at once, so that the runs' writes always find a connection
 
 
 class RedisStore:
@@ -53,6 +54,7 @@ class RedisStore:
         self.redis, self.url = client, url
         self.capacity, self.ttl_ms = capacity, int(ttl * 1000)
         self.refresh_s: float | None = REFRESH_S
+        self.readers = READERS
         self._refreshed: dict[str, float] = {}  # rid -> when its lease and expiries were last refreshed
 
     def _where(self) -> str:

@@ -64,6 +64,7 @@ class ResumeStore(Protocol):
     """A second copy of every resumable log; every method may raise :class:`StoreUnavailable`."""
 
     refresh_s: float | None  # how often a live run must call :meth:`alive`; None: never
+    readers: int  # followers of stored logs at once, over all of them (each may hold a connection)
 
     async def ping(self) -> None: ...
 
@@ -88,6 +89,7 @@ class MemoryStore:
     """No second copy: a log lives and dies with its process (``resume_store = "memory"``)."""
 
     refresh_s: float | None = None
+    readers = 0  # it keeps no log to follow
 
     async def ping(self) -> None:
         return None
