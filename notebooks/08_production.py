@@ -327,7 +327,7 @@ print(gate.checked())
 #   of requests that met their deadline with the gate over without it, pair by pair (each count
 #   plus a half, so that a side that met none stays finite), has a confidence interval above 1. Falsified
 #   if the interval lies below 1; unclear if it straddles 1 (the verdict then says how many
-#   repetitions would decide it).
+#   repetitions would decide it, or that no practical number would, when the ratio lies too near 1).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
