@@ -21,13 +21,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from labkit.service.connections import TRANSPORT_KEY
 from labkit.service.responses import SSE_HEADERS, SSE_MEDIA_TYPE, ClosingStreamingResponse
-from labkit.service.resume import parse_cursor
+from labkit.service.resume import Asked
 
 router = APIRouter()
 PAGE = Path(__file__).with_name("static") / "demo.html"
@@ -47,16 +47,13 @@ async def demo_page() -> HTMLResponse:
 async def demo_events(
     request: Request,
     request_id: str,
-    last_event_id: str | None = Header(default=None),
-    x_resume_token: str | None = Header(default=None),
-    after: str | None = Query(default=None),
-    token: str | None = Query(default=None),
+    asked: Asked,
     retry: int | None = Query(default=None, ge=0, le=MAX_RETRY_MS),
     drop_after: int | None = Query(default=None, ge=1),
 ) -> Response:
     service = request.app.state.service
-    cursor = parse_cursor(last_event_id, after)
-    log = service.resume.check_cursor(request_id, x_resume_token or token, cursor)
+    cursor = asked.cursor
+    log = service.resume.check_cursor(request_id, asked.token, cursor)
     if log is None:
         return Response(status_code=204)
     drop = drop_after if drop_after is not None and cursor < drop_after else None

@@ -51,8 +51,9 @@ import secrets
 from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import Response
 
 from labkit.hub import Hub, Stream
@@ -368,18 +369,31 @@ def parse_cursor(last_event_id: str | None, after: str | None) -> int:
     return int(digits)
 
 
-@router.get("/v1/streams/{request_id}/events", response_class=Response, responses=openapi.RESUME)
-async def resume_events(
-    request: Request,
-    request_id: str,
+@dataclass(frozen=True)
+class Resume:
+    """What a resume asks: the event to follow after, and the token it carries."""
+
+    cursor: int
+    token: str | None
+
+
+def resume_asked(
     last_event_id: str | None = Header(default=None),
     x_resume_token: str | None = Header(default=None),
     after: str | None = Query(default=None),
     token: str | None = Query(default=None),
-) -> Response:
+) -> Resume:
+    """The cursor (``Last-Event-ID`` or ``?after=``) and the token (``X-Resume-Token`` or ``?token=``)."""
+    return Resume(parse_cursor(last_event_id, after), x_resume_token or token)
+
+
+Asked = Annotated[Resume, Depends(resume_asked)]  # a route's parameter: the resume it was asked for
+
+
+@router.get("/v1/streams/{request_id}/events", response_class=Response, responses=openapi.RESUME)
+async def resume_events(request: Request, request_id: str, asked: Asked) -> Response:
     service = request.app.state.service
-    cursor = parse_cursor(last_event_id, after)
-    given = x_resume_token or token
+    cursor, given = asked.cursor, asked.token
     if service.resume.get(request_id) is None:  # not run here: perhaps by a server before this one
         stored = await service.resume.check_stored(request_id, given, cursor)
         if stored is None:
