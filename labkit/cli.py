@@ -156,25 +156,17 @@ def _has_tabulate() -> bool:
 
 
 def _add_serve(sub) -> None:
+    from labkit.server import add_serve_arguments, serve_from_args
+
     p = sub.add_parser("serve", help="run the streaming service (uvicorn, 127.0.0.1 by default)")
-    try:
-        from labkit.server import add_serve_arguments, serve_from_args
-    except ImportError as exc:  # pragma: no cover - only while the service is absent
-        reason = f"labkit serve is unavailable: {exc}"  # ``exc`` is unbound after the block
-        p.set_defaults(func=lambda args: sys.exit(reason))
-        return
     add_serve_arguments(p)
     p.set_defaults(func=serve_from_args)
 
 
 def _add_run(sub) -> None:
+    from labkit.lab.cli import add_run_arguments, run_from_args
+
     p = sub.add_parser("run", help="run an experiment (or all) and write data/ and figures/")
-    try:
-        from labkit.lab.cli import add_run_arguments, run_from_args
-    except ImportError as exc:  # pragma: no cover - only while the experiments are absent
-        reason = f"labkit run is unavailable: {exc}"  # ``exc`` is unbound after the block
-        p.set_defaults(func=lambda args: sys.exit(reason))
-        return
     add_run_arguments(p)
     p.set_defaults(func=run_from_args)
 

@@ -168,12 +168,6 @@ def linger_zero(platform_name: str | None = None) -> bytes:
     return struct.pack("HH" if (platform_name or sys.platform) == "win32" else "ii", 1, 0)
 
 
-def abortive_close(sock: socket.socket) -> None:
-    """Close ``sock`` with RST instead of FIN (``SO_LINGER`` on, 0 s)."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger_zero())
-    sock.close()
-
-
 def _optional(module: str) -> ModuleType | None:
     """The module, or None where this platform has none (``fcntl`` and ``termios`` on Windows)."""
     try:

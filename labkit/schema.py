@@ -45,7 +45,6 @@ from labkit.sse import ParsedEvent, ServerSentEvent
 
 __all__ = [
     "ERROR_TYPES",
-    "EVENT_TYPES",
     "MAX_MESSAGE_CHARS",
     "clip",
     "start_payload",
@@ -56,7 +55,6 @@ __all__ = [
     "decode_event",
 ]
 
-EVENT_TYPES = ("start", "token", "done", "error")
 ERROR_TYPES = frozenset(
     {
         "invalid_request",

@@ -178,13 +178,6 @@ def test_a_paired_ratio_is_judged_repetition_by_repetition_and_needs_six():
         interval(a, others=b[:5])
 
 
-def test_an_unpaired_ratio_is_a_seeded_bootstrap_that_also_needs_six_each():
-    a, b = [10, 11, 12, 13, 9, 10], [5, 6, 5, 4, 6, 5]
-    first, second = interval(a, others=b, paired=False), interval(a, others=b, paired=False)
-    assert first == second and first.low <= first.estimate <= first.high and first.estimate == pytest.approx(10.5 / 5)
-    assert not np.isfinite(interval(a[:5], others=b, paired=False).low)
-
-
 def test_every_holds_only_for_rows_that_exist_and_seen_quotes_distinct_values():
     assert every(pd.Series([True, True])) is True and every([1, 1]) is True
     assert every(pd.Series([True, False])) is False

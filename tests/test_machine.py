@@ -139,17 +139,6 @@ def test_linger_zero_is_two_ints_on_posix_and_two_shorts_on_windows() -> None:
     assert machine.linger_zero("win32") == (1).to_bytes(2, sys.byteorder) + bytes(2)
 
 
-def test_an_abortive_close_reaches_the_peer_as_a_reset() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        client = socket.create_connection(listener.getsockname(), timeout=5)
-        peer, _ = listener.accept()
-        with peer:
-            peer.settimeout(5)
-            machine.abortive_close(client)
-            with pytest.raises(ConnectionResetError):
-                peer.recv(1)
-
-
 # -- device, threads, words ---------------------------------------------------------------------
 def test_default_device_is_cuda_exactly_where_torch_sees_one(monkeypatch: pytest.MonkeyPatch) -> None:
     assert machine.default_device() == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -148,9 +148,9 @@ def test_bfloat16_runs_and_stays_close_to_float32(tiny_model: LoadedModel) -> No
 def test_kv_bytes_per_block_counts_keys_and_values_of_every_layer(tiny_llama: LoadedModel) -> None:
     runner = make_runner(tiny_llama, block_size=16, num_blocks=8)
     cfg = tiny_llama.model.config
-    assert runner.kv_bytes_per_block == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 16 * 16 * 4
+    assert runner.pool.bytes_per_block == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 16 * 16 * 4
     half = make_runner(tiny_llama, block_size=16, num_blocks=8, dtype="bfloat16")
-    assert half.kv_bytes_per_block == runner.kv_bytes_per_block // 2
+    assert half.pool.bytes_per_block == runner.pool.bytes_per_block // 2
 
 
 def test_rejects_an_unknown_dtype(tiny_gpt2: LoadedModel) -> None:

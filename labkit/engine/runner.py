@@ -167,11 +167,6 @@ class ModelRunner:
         return Tiling(min(sizes.values()), by_weight=sizes)
 
     @property
-    def kv_bytes_per_block(self) -> int:
-        """Bytes one block takes across all layers, keys and values together."""
-        return self.pool.bytes_per_block
-
-    @property
     def max_positions(self) -> int:
         return self.network.shape.max_positions
 

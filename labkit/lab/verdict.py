@@ -123,42 +123,21 @@ def span(values: Iterable[float], fmt: str = "{:.2f}", unit: str = "") -> str:
     return f"{med}{unit} ({lo}–{hi}{unit})" if lo != hi else f"{med}{unit}"
 
 
-def interval(
-    values: Sequence[float] | np.ndarray,
-    *,
-    others: Sequence[float] | np.ndarray | None = None,
-    paired: bool = True,
-    resamples: int = 4000,
-    seed: int = 0,
-) -> Interval:
+def interval(values: Sequence[float] | np.ndarray, *, others: Sequence[float] | np.ndarray | None = None) -> Interval:
     """A 95% interval for the median of ``values`` or, with ``others``, for the ratio of the two.
 
-    The one-sample interval is distribution-free: the order statistics whose binomial coverage of
-    the median is at least 95% (6 values at least; with fewer the interval is the whole line, and
-    :func:`tell` says how many would do). With ``others`` measured in the same repetitions
-    (``paired``, the lab's interleaved design: element i of each from repetition i), it is that
-    interval for the ratios repetition by repetition. Unpaired samples get a seeded percentile
-    bootstrap of the ratio of their medians, and also need 6 values each.
+    The interval is distribution-free: the order statistics whose binomial coverage of the median
+    is at least 95% (6 values at least; with fewer the interval is the whole line, and
+    :func:`tell` says how many would do). ``others`` are measured in the same repetitions (the
+    lab's interleaved design: element i of each from repetition i), and the interval is that of
+    the ratios repetition by repetition.
     """
-    a = _clean(values)
     if others is None:
-        return _median_interval(a)
-    b = _clean(others)
-    if paired:
-        if len(values) != len(others):
-            raise ValueError(f"paired samples need one value each per repetition, got {len(values)} and {len(others)}")
-        ratios = np.asarray(values, dtype=float) / np.asarray(others, dtype=float)
-        return _median_interval(ratios[np.isfinite(ratios)])
-    point = float(np.median(a) / np.median(b)) if len(a) and len(b) else float("nan")
-    n = min(len(a), len(b))
-    if n < MIN_FOR_MEDIAN:
-        return Interval(point, -np.inf, np.inf, n)
-    rng = np.random.default_rng(seed)
-    draws = np.median(rng.choice(a, (resamples, len(a))), axis=1) / np.median(
-        rng.choice(b, (resamples, len(b))), axis=1
-    )
-    low, high = np.nanpercentile(draws, [2.5, 97.5])
-    return Interval(point, float(low), float(high), n)
+        return _median_interval(_clean(values))
+    if len(values) != len(others):
+        raise ValueError(f"paired samples need one value each per repetition, got {len(values)} and {len(others)}")
+    ratios = np.asarray(values, dtype=float) / np.asarray(others, dtype=float)
+    return _median_interval(ratios[np.isfinite(ratios)])
 
 
 def _clean(values: Sequence[float] | np.ndarray) -> np.ndarray:

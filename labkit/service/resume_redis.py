@@ -40,10 +40,8 @@ READERS = POOL // 2  # followers at once, so that the runs' writes always find a
 class RedisStore:
     def __init__(self, url: str, *, capacity: int, ttl: float, client: Any = None) -> None:
         if client is None:
-            try:
-                import redis.asyncio as aioredis
-            except ImportError:  # pragma: no cover - redis is a declared dependency
-                raise StoreUnavailable("resume_store is a redis URL but the redis package is not installed") from None
+            import redis.asyncio as aioredis
+
             # RESP2 whichever version of redis-py is installed (8.x defaults to RESP3: other reply shapes).
             # A blocking pool: a call waits (up to OP_TIMEOUT_S) for a free connection, where the
             # default pool raises at its 101st, so a burst of streams would each be refused with 503.

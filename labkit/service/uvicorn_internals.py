@@ -9,9 +9,7 @@ start) to fail with one clear sentence instead of an ``AttributeError`` deep in 
 
 from __future__ import annotations
 
-import asyncio
 from importlib import metadata
-from typing import Any
 
 TESTED = ((0, 54), (0, 55))  # uvicorn>=0.54,<0.55, as pinned in pyproject.toml
 PIN = "uvicorn>=0.54,<0.55"
@@ -52,46 +50,9 @@ def missing_methods() -> list[str]:
     return [f"H11Protocol.{name}" for name in PROTOCOL_METHODS if not callable(getattr(H11Protocol, name, None))]
 
 
-def missing_state() -> list[str]:
-    """Every internal used, checked on real instances: a protocol, a request cycle, a server."""
-    import h11
-    import uvicorn
-    from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
-    from uvicorn.server import ServerState
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:  # never called
-        raise AssertionError
-
-    config = uvicorn.Config(app, loop="asyncio", http=H11Protocol)
-    config.load()
-    loop = asyncio.new_event_loop()
-    try:
-        protocol = H11Protocol(config=config, server_state=ServerState(), app_state={}, _loop=loop)
-        cycle = RequestResponseCycle(
-            scope={"type": "http"},  # type: ignore[typeddict-item]
-            conn=h11.Connection(h11.SERVER),
-            transport=None,  # type: ignore[arg-type]
-            flow=None,  # type: ignore[arg-type]
-            logger=None,  # type: ignore[arg-type]
-            access_logger=None,  # type: ignore[arg-type]
-            access_log=False,
-            default_headers=[],
-            message_event=asyncio.Event(),
-            on_response=lambda: None,
-        )
-        server = uvicorn.Server(config)
-    finally:
-        loop.close()
-    missing = missing_methods()
-    missing += [f"H11Protocol().{n}" for n in PROTOCOL_STATE if not hasattr(protocol, n)]
-    missing += [f"RequestResponseCycle().{n}" for n in CYCLE_STATE if not hasattr(cycle, n)]
-    missing += [f"Server().{n}" for n in SERVER_USES if not hasattr(server, n)]
-    return missing
-
-
 def check() -> None:
     """Raise UnsupportedUvicorn where an internal is missing: the classes' methods, which is what
-    a server's start can afford (:func:`missing_state` checks instances too)."""
+    a server's start can afford (a test checks the state on real instances too)."""
     missing = missing_methods()
     if missing:
         raise UnsupportedUvicorn(
