@@ -194,6 +194,31 @@ def test_a_usage_count_within_the_request_s_limit_is_the_tokens():
     assert (stream.tokens, stream.chunks, stream.ok) == (8, 1, True)
 
 
+def test_the_last_text_sent_with_the_finish_reason_is_a_token():
+    """vLLM and llama.cpp send the last token's text in the chunk that ends the answer (a review)."""
+    stream = _openai(_choice("a"), _choice("b", "length"), "[DONE]")
+    assert (stream.chunks, stream.text, stream.finish_reason, stream.ok) == (2, "ab", "length", True)
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])
+def test_more_token_chunks_than_the_request_asked_for_are_an_error_not_tokens(raw):
+    stream = _openai(*[_choice("a")] * 200, _choice("", "length"), "[DONE]", raw=raw)
+    assert stream.chunks == 8 and not stream.ok and "more token chunks than the 8 tokens asked for" in stream.failure
+
+
+def test_a_usage_count_below_the_token_chunks_read_is_an_error():
+    usage = json.dumps({"choices": [], "usage": {"completion_tokens": 1}})
+    stream = _openai(_choice("a"), _choice("b"), _choice("", "length"), usage, "[DONE]")
+    assert stream.tokens == 2 and not stream.ok and "fewer than the 2 token chunks" in stream.failure
+
+
+@pytest.mark.parametrize("data", ["hello world", "[1, 2]", '{"created": ' + "9" * 5000 + "}"],
+                         ids=["text", "not-an-object", "past-the-digit-limit"])
+def test_a_chunk_that_is_not_a_json_object_is_an_error_not_silence(data):
+    stream = _openai(_choice("a"), data, _choice("b"), _choice("", "length"), "[DONE]")
+    assert stream.chunks == 2 and not stream.ok and "not a JSON object" in stream.failure
+
+
 @pytest.mark.parametrize("end", ["[DONE]", _choice("", "length")], ids=["after-done", "after-finish"])
 def test_tokens_after_the_stream_s_end_are_an_error_not_tokens(end):
     stream = _openai(_choice("a"), end, *[_choice("more")] * 100, "[DONE]")

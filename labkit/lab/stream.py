@@ -155,7 +155,7 @@ class Stream:
         if self.api == "labkit":
             if event.event == "token":
                 token_id, piece = int(data.get("id", -1)), str(data.get("text", ""))  # may raise: nothing kept then
-                self.token_times.append(event.time)
+                self._token(event.time)
                 self.token_ids.append(token_id)
                 self.pieces.append(piece)
             elif event.event == "done":
@@ -169,6 +169,8 @@ class Stream:
         if data.get("raw") == "[DONE]":
             self.completed = self.closed = True
             return
+        if set(data) == {"raw"}:  # not a JSON object (or nested past what Python parses)
+            raise ValueError(f"a chunk that is not a JSON object: {str(data['raw'])[:40]!r}")
         if isinstance(data.get("usage"), dict):
             self.usage = self._counted(data["usage"])
         if isinstance(data.get("error"), dict):
@@ -183,18 +185,33 @@ class Stream:
                 continue  # neither a token nor an end: a role, a tool call, an empty {}
             if self.finish_reason is not None:
                 raise ValueError("a chunk after the finish reason")
-            if choice.get("finish_reason") is not None:  # the answer is whole; [DONE] is optional
-                self.finish_reason, self.completed = choice["finish_reason"], True
-            elif piece or "role" not in delta:
-                self.token_times.append(event.time)
+            finish = choice.get("finish_reason")
+            if piece or (finish is None and "role" not in delta):  # the last text may come with the end
+                self._token(event.time)
+            if finish is not None:  # the answer is whole; [DONE] is optional
+                self.finish_reason, self.completed = finish, True
             self.pieces.append(str(piece))
 
+    def _token(self, at: float) -> None:
+        """One more token, unless that makes more than the request asked for, or than usage said."""
+        most = self.max_tokens if self.usage is None else self._usage_count(self.max_tokens)
+        if most is not None and len(self.token_times) >= most:
+            raise ValueError(f"more token chunks than the {most} tokens {'usage said' if self.usage else 'asked for'}")
+        self.token_times.append(at)
+
+    def _usage_count(self, default: int | None) -> int | None:
+        n = (self.usage or {}).get("completion_tokens")
+        return n if type(n) is int else default
+
     def _counted(self, usage: dict[str, Any]) -> dict[str, Any]:
-        """``usage`` if its ``completion_tokens`` is a count (an int, not a bool, from 0 to the
-        request's ``max_tokens``); a server's arithmetic must not become the lab's tokens/s."""
-        n = usage.get("completion_tokens")
+        """``usage`` if its ``completion_tokens`` is a count (an int, not a bool, from the token
+        chunks already read to the request's ``max_tokens``); a server's arithmetic must not become
+        the lab's tokens/s."""
+        n, least = usage.get("completion_tokens"), len(self.token_times)
         if n is not None and (type(n) is not int or n < 0 or (self.max_tokens is not None and n > self.max_tokens)):
             raise ValueError(f"usage.completion_tokens {str(n)[:40]} is not a count of at most {self.max_tokens}")
+        if n is not None and n < least:
+            raise ValueError(f"usage.completion_tokens {n} is fewer than the {least} token chunks read")
         return usage
 
     # -- fed by the client's readers: the head, each read, and when to stop ------------------------
