@@ -219,6 +219,16 @@ def test_a_chunk_that_is_not_a_json_object_is_an_error_not_silence(data):
     assert stream.chunks == 2 and not stream.ok and "not a JSON object" in stream.failure
 
 
+@pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])
+@pytest.mark.parametrize("field, said", [("content-type: application/json", "more than one Content-Type"),
+                                         ("content-encoding: gzip\ncontent-encoding: identity", "Content-Encoding: gzip, identity")],
+                         ids=["content-type", "content-encoding"])  # fmt: skip
+def test_a_head_field_sent_twice_is_refused_by_name_by_both_readers(raw, field, said):
+    """The raw reader kept the last of two values and httpx joined them: one stream, two verdicts (a review)."""
+    stream = _openai(_choice("a"), _choice("", "length"), "[DONE]", head=f"{OPENAI}\n{field}", raw=raw)
+    assert not stream.ok and stream.chunks == 0 and said in stream.failure
+
+
 @pytest.mark.parametrize("end", ["[DONE]", _choice("", "length")], ids=["after-done", "after-finish"])
 def test_tokens_after_the_stream_s_end_are_an_error_not_tokens(end):
     stream = _openai(_choice("a"), end, *[_choice("more")] * 100, "[DONE]")

@@ -146,7 +146,7 @@ async def _httpx(client: httpx.AsyncClient, request: Request, options: ReadOptio
         headers["Accept-Encoding"] = "gzip"
     async with client.stream(request.method, request.path, content=body, headers=headers) as response:
         result.note_head(response.status_code, dict(response.headers), time.perf_counter(), options.gzip)
-        if result.error:  # an encoding not asked for
+        if result.error:  # a head refused by name (an encoding not asked for, a field sent twice)
             return
         sock = _socket(response)
         chunks = _decoded(response.aiter_raw(), result.headers.get("content-encoding", "").strip().lower() == "gzip")
@@ -338,9 +338,12 @@ def _raw_events(conn: h11.Connection, result: Stream, splitter: EventSplitter, k
         if event is h11.NEED_DATA:
             return False
         if isinstance(event, h11.Response):
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
+            headers: dict[str, str] = {}
+            for k, v in event.headers:  # a repeated field's values joined, as httpx joins them
+                name, value = k.decode("latin-1").lower(), v.decode("latin-1")
+                headers[name] = f"{headers[name]}, {value}" if name in headers else value
             result.note_head(event.status_code, headers, now)
-            if result.error:  # an encoding not asked for
+            if result.error:  # a head refused by name (an encoding not asked for, a field sent twice)
                 return True
         elif isinstance(event, h11.Data):
             if result.content_type.startswith("text/event-stream"):

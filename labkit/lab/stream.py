@@ -217,7 +217,7 @@ class Stream:
     # -- fed by the client's readers: the head, each read, and when to stop ------------------------
     def note_head(self, status: int, headers: dict[str, str], now: float, gzip: bool = False) -> None:
         """The head as read; an encoding other than identity (or one gzip layer, where ``gzip``
-        asked for it) is the error, said by name: the body is not read."""
+        asked for it), or a Content-Type sent twice, is the error, said by name: the body is not read."""
         self.headers_at, self.status, self.headers = now, status, headers
         self.content_type = headers.get("content-type", "").lower()  # media types are case-insensitive
         self.request_id = headers.get("x-request-id")
@@ -225,6 +225,8 @@ class Stream:
         if coding not in ("", "identity") and not (gzip and coding == "gzip"):
             asked = "one layer of gzip" if gzip else "identity"
             self.error = f"an answer in Content-Encoding: {coding[:60]}, where the client asked for {asked}"
+        elif "," in self.content_type.split(";")[0]:  # a field sent twice (joined): which one is the body?
+            self.error = f"an answer with more than one Content-Type: {self.content_type[:80]}"
 
     def take(self, splitter: EventSplitter, chunk: bytes, now: float, options: ReadOptions) -> bool:
         """Feed one read; False (with the error set) once a bound on the stream is passed."""
