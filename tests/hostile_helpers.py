@@ -10,6 +10,8 @@ import asyncio
 import contextlib
 import functools
 import json
+import socket
+import struct
 import threading
 import zlib
 from collections.abc import Awaitable, Callable, Iterator
@@ -88,6 +90,15 @@ async def cut_mid_chunk(w: Writer) -> None:
     w.write(SSE_HEAD + b"".join(chunk(completion_chunk("tok ")) for _ in range(3)))
     w.write(b"40\r\ndata: {\"choi")
     await w.drain()
+
+
+async def reset_mid_head(w: Writer) -> None:
+    """Half a head, then RST (``SO_LINGER`` 0)."""
+    w.write(b"HTTP/1.1 200 OK\r\nContent-Ty")
+    await w.drain()
+    await asyncio.sleep(0.1)
+    w.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    w.transport.abort()
 
 
 def malformed(payload: bytes) -> Behaviour:

@@ -23,6 +23,7 @@ from hostile_helpers import (
     informational_flood,
     malformed,
     redirect,
+    reset_mid_head,
     silent,
     sse_body,
     trickle_json,
@@ -90,6 +91,14 @@ def test_a_trickled_stream_ends_at_its_deadline(raw):
         stream = completion(Target(url), ReadOptions(timeout=2.0), raw=raw)
     assert stream.error == "no end within the 2 s bound of one request" and stream.failure
     assert time.monotonic() - started < 6
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])
+def test_a_reset_mid_head_is_said_in_words(raw):
+    with hostile(reset_mid_head) as url:
+        stream = completion(Target(url), ReadOptions(timeout=10), raw=raw)
+    assert not stream.ok and "no detail" not in stream.failure
+    assert "reset" in stream.failure or "before a whole head" in stream.failure, stream.failure
 
 
 @pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])

@@ -115,7 +115,10 @@ async def read(
     except (httpx.ConnectError, ConnectionRefusedError) as exc:
         result.error = f"cannot connect ({'connection refused' if _refused(exc) else exc})"
     except (httpx.HTTPError, OSError, h11.ProtocolError) as exc:
-        said = str(exc) or str(exc.__cause__ or exc.__context__ or "") or "no detail"  # httpx's are often empty
+        said = str(exc) or str(exc.__cause__ or exc.__context__ or "")  # httpx's are often empty
+        said = (
+            said or f"the server closed the connection {'mid-answer' if result.headers_at else 'before a whole head'}"
+        )
         result.error = f"{type(exc).__name__}: {said}"[:300]
     except (ValueError, RecursionError, UnicodeError) as exc:  # an answer no parser could read
         result.error = f"an unreadable answer: {type(exc).__name__}: {exc}"[:300]
