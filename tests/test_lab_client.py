@@ -215,6 +215,13 @@ def test_more_token_chunks_than_the_request_asked_for_are_an_error_not_tokens(ra
     assert stream.chunks == 8 and not stream.ok and "more token chunks than the 8 tokens asked for" in stream.failure
 
 
+def test_more_labkit_token_events_than_max_new_tokens_are_an_error():
+    token = 'event: token\ndata: {"index": 0, "id": 1, "text": "a"}'
+    with hostile(canned(OPENAI, b"".join(chunk(f"{token}\n\n".encode()) for _ in range(20)) + b"0\r\n\r\n")) as url:
+        stream = completion(Target(url, api="labkit"), ReadOptions(timeout=10))
+    assert stream.chunks == 8 and not stream.ok and "more token chunks than the 8 tokens asked for" in stream.failure
+
+
 def test_a_usage_count_below_the_token_chunks_read_is_an_error():
     usage = json.dumps({"choices": [], "usage": {"completion_tokens": 1}})
     stream = _openai(_choice("a"), _choice("b"), _choice("", "length"), usage, "[DONE]")

@@ -90,7 +90,8 @@ async def read(
     options = options or ReadOptions()
     result = result if result is not None else Stream(api=request.api)
     result.api, result.sent = request.api, time.perf_counter()
-    asked = (request.body or {}).get("max_tokens")
+    body = request.body or {}
+    asked = body.get("max_tokens", body.get("max_new_tokens"))  # OpenAI's name, or labkit's
     result.max_tokens = asked if type(asked) is int else None
     raw = raw or leave is not None or hold is not None or not options.read or options.rcvbuf is not None
     raw = raw or options.keep_wire  # only the raw reader owns its socket and sees every byte
