@@ -27,7 +27,8 @@
 #    then leaves. The kernel's limits (`net.ipv4.tcp_wmem`, `tcp_rmem`) are read from `/proc` in
 #    the same run.
 # 2. **The client's** (any server): a client cannot see a server's write block, only what waits
-#    for it. An ordinary stream is left unread until it has settled (see section 2), then read.
+#    for it. An ordinary stream is left unread until its whole answer waits in the client's
+#    receive buffer (see section 2), then read.
 #
 # Each measurement below is one cell: change a size in the call (`run(buffers.FLOOD, target,
 # repetitions=5)`) and re-run that cell alone; the tables under it read the result it kept.
@@ -138,18 +139,18 @@ flood.table("beside_chapter")
 # ## 2. An ordinary stream, left unread, then read
 #
 # What a client can see of the same buffers against any server. A few ordinary streams are sent
-# at once beside one stream read as usual; in one batch they all end together. Each of the others
-# is left unread until the stream read as usual has ended and the bytes waiting in its receive
-# buffer (`FIONREAD`) have not grown for a number of that stream's token gaps (the settings:
-# counted in gaps, so a slower engine holds longer); then it is read. What arrives within one
-# token gap of the first byte read came faster than anything can be generated: it was waiting,
-# in the client's buffer or the server's. Where the server keeps records (lab routes), it also
-# says whether it had written the whole stream before the client read a byte.
+# at once and none is read. The client only looks: it asks the kernel how many bytes wait in each
+# receive buffer (`FIONREAD`) and peeks at them (`MSG_PEEK`, which leaves them to be read) until
+# they hold a whole answer, through the end that HTTP's framing marks (the last chunk). Then it
+# reads the stream as usual. Nothing here is timed against the engine: the hold ends on what
+# arrived, so a slower or faster engine only holds longer or shorter. A server that ends its
+# answer only by closing the connection gives no end to peek at, and says so as "not
+# measurable".
 #
 # * **an unread stream waits whole in the buffers**: a stream of ordinary tokens fits between
 #   the server and a reader that has stopped, so its writer never waits. Falsified if any held
-#   stream's end arrives later than one token gap after its first byte read, or the server's
-#   record shows it had not written it all before the client read.
+#   stream's end has not reached the client's buffer within half the request's bound (the
+#   settings), or a held stream, read afterwards, is cut or fails.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -170,9 +171,8 @@ print(unread.checked())
 # %% [markdown]
 # `waiting_bytes` is what the client's own receive buffer held, the head and the chunks' framing
 # included; `bytes` is the stream's events. Where the first exceeds the second by the head and
-# the framing, and the server was done before the client read (`server_done_before_read`), the
-# whole answer sat in the client's buffer before it read a byte: the server had long finished and freed the sequence, whatever the
-# reader did next. This is why a stop in reading is invisible to a server until the buffers of
+# the framing (`end_waiting`), the whole answer sat in the client's buffer before it read a byte:
+# the server had finished and freed the sequence, whatever the reader did next. This is why a stop in reading is invisible to a server until the buffers of
 # the first section fill, and why notebook 06 detects a reader that has gone by its connection,
 # not by its writes.
 

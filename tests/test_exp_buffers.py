@@ -85,14 +85,33 @@ def test_a_platform_without_fionread_is_not_measurable(monkeypatch) -> None:
 
 
 def unread_rows(**change: Any) -> dict[str, pd.DataFrame]:
-    row = {"tokens": 200, "bytes": 13_900, "waiting_bytes": 15_300, "burst_bytes": 13_900, "end_in_burst": True,
-           "failure": None, "server_done_before_read": True}  # fmt: skip
+    row = {"tokens": 200, "bytes": 13_900, "waiting_bytes": 15_300, "end_waiting": True, "failure": None}
     return {"rows": pd.DataFrame([row, {**row, **change}])}
 
 
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+
+
+@pytest.mark.parametrize("sent, waiting", [
+    (HEAD + b"transfer-encoding: chunked\r\n\r\n7\r\ndata: 1\r\n0\r\n\r\n", True),
+    (HEAD + b"transfer-encoding: chunked\r\n\r\n7\r\ndata: 1\r\n", False),  # the last chunk not yet sent
+    (HEAD + b"content-length: 7\r\n\r\ndata: 1", True),
+    (HEAD + b"content-length: 9\r\n\r\ndata: 1", False),
+    (HEAD + b"\r\ndata: 1\n\n", None),  # ends when the server closes: no peek sees that
+    (b"", False), (b"HTTP/1.1 20", False), (b"not http at all\r\n\r\n", False),
+])  # fmt: skip
+def test_a_whole_answer_waiting_unread_is_seen_by_peeking_and_stays_to_be_read(sent: bytes, waiting: Any) -> None:
+    import socket
+
+    ours, server = socket.socketpair()
+    with ours, server:
+        server.sendall(sent)
+        assert buffers.answer_waiting(ours, 1 << 20) is waiting
+        assert buffers.unread_bytes(ours) == len(sent)  # peeked, not read
+
+
 @pytest.mark.parametrize("change, outcome", [
-    ({}, "holds"), ({"end_in_burst": False}, "falsified"), ({"server_done_before_read": False}, "falsified"),
-    ({"failure": "the stream was cut off before its end"}, "falsified"),
+    ({}, "holds"), ({"end_waiting": False}, "falsified"), ({"failure": "the stream was cut off before its end"}, "falsified"),
 ])  # fmt: skip
 def test_the_unread_verdict_can_fail(change: dict[str, Any], outcome: str) -> None:
     verdict = buffers.UNREAD.verdicts(unread_rows(**change), buffers.UNREAD.sizes_for("ci"))[0]

@@ -4,9 +4,9 @@
 the server times its writes of events of one size, and the first slower than the block threshold
 marks where it had to wait; the client reads ``FIONREAD`` and leaves by RST; ``tcp_wmem`` and
 ``tcp_rmem`` come from ``/proc`` in every trial. :data:`UNREAD` (any target): a client cannot see a
-write block, only what waits. It holds streams unread beside one read as usual in the same batch,
-until that one has ended and ``FIONREAD`` has not grown for ``settle_gaps`` of its token gaps, then
-reads: what comes within a gap of the first byte was waiting; a stream ending in it never waited.
+write block, only what waits. It holds streams unread, peeking at their receive buffers, until a
+whole answer waits there through the end its framing marks, then reads: a writer whose last bytes
+are already in the reader's buffer never waited for the reader.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import h11
 import pandas as pd
 
 from labkit import machine
@@ -29,6 +30,7 @@ from labkit.lab.client import async_client, run_sync
 from labkit.lab.verdict import spread, tell
 from labkit.prompts import PROMPTS
 
+MAX_PEEK = 4 * 1024 * 1024  # past this an unread answer is no ordinary stream; the read reports it
 TRANSPORT_HIGH_WATER = 64 * 1024  # asyncio's default write-buffer high-water mark, which uvicorn keeps
 LOOPBACK = ("127.0.0.1", "localhost", "::1")  # a server here has this machine's kernel and clock
 
@@ -165,60 +167,69 @@ FLOOD = Experiment(
 # --------------------------------------------------------------------------- an ordinary stream, unread
 
 
-async def _held(target: Any, s: Sizes, prompt: str, usual: Stream) -> dict[str, Any]:
+def answer_waiting(sock: socket.socket, most: int) -> bool | None:
+    """Whether the bytes waiting unread in ``sock`` hold a whole answer, through the end its framing
+    marks (the last chunk, or ``Content-Length``): peeked, so the reader later reads them all.
+    None when the head says the answer ends only when the server closes: no peek can see that end."""
+    waiting = unread_bytes(sock)
+    if waiting <= 0:
+        return False
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="GET", target="/", headers=[("Host", "peek")]))
+    conn.send(h11.EndOfMessage())
+    conn.receive_data(sock.recv(min(waiting, most), socket.MSG_PEEK))
+    with contextlib.suppress(h11.RemoteProtocolError):  # a broken answer: the read says so
+        while (event := conn.next_event()) is not h11.NEED_DATA:
+            if isinstance(event, h11.Response) and not {b"content-length", b"transfer-encoding"} & {
+                name.lower() for name, _ in event.headers.raw_items()
+            }:
+                return None
+            if isinstance(event, h11.EndOfMessage):
+                return True
+    return False
+
+
+async def _held(target: Any, s: Sizes, prompt: str) -> dict[str, Any]:
     hold, result, started = asyncio.Event(), Stream(api=target.api), time.perf_counter()
     reader = asyncio.ensure_future(target.stream(target.request(prompt, s.tokens), result=result, hold=hold))
-    waiting, still_since, gap = -1, started, 0.005
+    whole: bool | None = False
     try:
         while not reader.done() and time.perf_counter() - started < s.timeout_s / 2:
-            await asyncio.sleep(gap / 2)
-            now, n = time.perf_counter(), unread_bytes(result.socket) if result.socket else -1
-            waiting, still_since = (waiting, still_since) if n == waiting else (n, now)
-            gap = float(pd.Series(usual.gaps).median()) if len(usual.gaps) > 1 else gap
-            if usual.ended is not None and n > 0 and now - still_since >= s.settle_gaps * gap:
+            await asyncio.sleep(0.005)
+            if result.socket is not None and (whole := answer_waiting(result.socket, MAX_PEEK)) is not False:
                 break
     finally:
-        resumed = time.perf_counter()
+        resumed, waiting = time.perf_counter(), unread_bytes(result.socket) if result.socket else -1
         hold.set()
         stream = await reader
-    first = min((e.time for e in stream.events), default=resumed)
-    burst = [e for e in stream.events if e.time - first <= gap]
-    row = {"tokens": stream.tokens, "bytes": stream.total_bytes, "waiting_bytes": waiting, "token_gap_s": gap,
-           "held_s": resumed - started, "burst_bytes": sum(e.nbytes for e in burst), "failure": stream.failure,
-           "end_in_burst": stream.completed and len(burst) == len(stream.events)}  # fmt: skip
-    if target.caps.lab and urlsplit(target.url).hostname in LOOPBACK:
-        closed = (target.records([stream.request_id])[0] or {}).get("closed")
-        row["server_done_before_read"] = closed is not None and closed <= resumed
-    return row
+    if whole is None:
+        raise NotMeasurable("whether a held answer has ended", "the server marks its end only by closing")
+    return {"tokens": stream.tokens, "bytes": stream.total_bytes, "waiting_bytes": waiting, "held_s": resumed - started,
+            "end_waiting": whole, "failure": stream.failure}  # fmt: skip
 
 
 def unread_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
-    whole = (rows := tables["rows"]).end_in_burst.astype(bool) & rows.failure.isna()
-    whole &= rows.server_done_before_read.astype(bool) if "server_done_before_read" in rows else True
+    whole = (rows := tables["rows"]).end_waiting.astype(bool) & rows.failure.isna()
     return [judge("an unread stream waits whole in the buffers", f"a {s.tokens}-token stream left unread sits whole "
-                  "on its way; its writer never waits", "any held stream ended over a token gap after its first byte "
-                  "read (or the server's record says it had not written it all)", bool(len(rows)) and bool(whole.all()),
+                  "on its way; its writer never waits", f"any held stream's end not in the client's buffer within "
+                  f"{s.timeout_s / 2:g} s, or a held stream cut or failed when read", bool(len(rows)) and bool(whole.all()),
                   f"{int(whole.sum())} of {len(rows)} whole; waiting {span(rows.waiting_bytes, '{:,.0f}')} bytes in the "
-                  f"client's buffer (head included), body {span(rows.bytes, '{:,.0f}')}", checked=True)]  # fmt: skip
+                  f"client's buffer (head and framing included), body {span(rows.bytes, '{:,.0f}')}", checked=True)]  # fmt: skip
 
 
 async def _unread(trial: Trial) -> list[dict[str, Any]]:
-    """The held streams and one read as usual, at once: in one batch they end together."""
-    target, s, usual = trial.target, trial.sizes, Stream(api=trial.target.api)
+    """The held streams at once, each held until its whole answer waits in its receive buffer."""
+    target, s = trial.target, trial.sizes
     if not target.url.startswith("http://"):
         raise NotMeasurable("a stream left unread", "the raw reader speaks plain http only")
-    reader = asyncio.ensure_future(target.stream(target.request(PROMPTS[1], s.tokens), result=usual))
-    held = await asyncio.gather(*(_held(target, s, PROMPTS[2 + i], usual) for i in range(s.streams)))
-    if (await reader).failure or len(usual.gaps) < 2:
-        raise NotMeasurable("the token gap", f"the stream read as usual gave none ({usual.failure})")
-    return list(held)
+    return list(await asyncio.gather(*(_held(target, s, PROMPTS[1 + i]) for i in range(s.streams))))
 
 
 UNREAD = Experiment(
     name="buffers.unread", title="An ordinary stream, not read until it settles, then read: what was waiting",
-    sizes={size: {"tokens": 200, "streams": 4, "settle_gaps": 20, "timeout_s": 120.0} for size in ("full", "ci")},
+    sizes={size: {"tokens": 200, "streams": 4, "timeout_s": 120.0} for size in ("full", "ci")},
     measure=lambda trial: run_sync(_unread(trial)), verdicts=unread_verdicts,
-    tables=lambda t, s: {"unread": spread(t["rows"], "tokens", ["waiting_bytes", "burst_bytes", "bytes", "held_s"])},
+    tables=lambda t, s: {"unread": spread(t["rows"], "tokens", ["waiting_bytes", "bytes", "held_s"])},
 )  # fmt: skip
 
 
