@@ -150,13 +150,16 @@ class RawClient:
     """HTTP/1.1 over a plain socket (h11), so a test controls reading and how the socket closes.
 
     ``rcvbuf`` caps the client's receive buffer (set before connecting, which also turns off
-    Linux's autotuning). ``decode=False`` keeps the body as raw bytes only.
+    Linux's autotuning). ``decode=False`` keeps the body as raw bytes only. ``local`` is the
+    address to connect from.
     """
 
-    def __init__(self, base_url: str, rcvbuf: int | None = None, decode: bool = True) -> None:
+    def __init__(self, base_url: str, rcvbuf: int | None = None, decode: bool = True, local: str | None = None) -> None:
         parts = urlsplit(base_url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if local is not None:  # another client on the same loopback: 127.0.0.2, say
+            self.sock.bind((local, 0))
         if rcvbuf is not None:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         self.sock.settimeout(TIMEOUT)

@@ -248,10 +248,11 @@ def test_store_cost_reports_latency_and_bytes_per_event(redis_url: str) -> None:
 
 
 @needs_redis
-def test_followers_from_the_store_are_capped_per_stream_and_in_all(tiny_gpt2: Any, redis_url: str) -> None:
+def test_followers_from_the_store_are_capped_per_stream_per_client_and_in_all(tiny_gpt2: Any, redis_url: str) -> None:
     """A server that follows another's streams from the store holds them to MAX_FOLLOWERS each, as
-    its own, and to the store's ``readers`` in all: each follower holds a Redis connection in a
-    blocking read, and a run's write that found none free failed every resumable stream (a review)."""
+    its own; to the store's ``readers`` in all (each follower holds a Redis connection in a blocking
+    read, and a run's write that found none free failed every resumable stream); and one client to
+    its ``resumable_share`` of those readers (one client took all 128 and shut others out: reviews)."""
     from service_helpers import wait_until
 
     from labkit.service.resume import CROWDED, MAX_FOLLOWERS
@@ -262,30 +263,35 @@ def test_followers_from_the_store_are_capped_per_stream_and_in_all(tiny_gpt2: An
         starts = [c.read_events(2)[0][1] for c in creators]
         for start in starts:
             runs.engine.pause(start["request_id"])  # standing still, so every follower stays attached
+        resume, share = other.service.resume, other.service.resume.limits.share
 
-        def follow(start: dict[str, Any]) -> RawClient:
-            return RawClient(other.url).request("GET", f"/v1/streams/{start['request_id']}/events?after=2",
-                                                headers={"X-Resume-Token": start["resume_token"]})
+        def follow(start: dict[str, Any], local: str = "127.0.0.1") -> RawClient:
+            return RawClient(other.url, local=local).request("GET", f"/v1/streams/{start['request_id']}/events?after=2",
+                                                             headers={"X-Resume-Token": start["resume_token"]})  # fmt: skip
+
+        def refusal(client: RawClient) -> str:
+            client.read_to_end()
+            assert client.status == 429 and client.json()["error"]["type"] == "queue_full", client.raw
+            return client.json()["error"]["message"]
 
         first = [follow(starts[0]) for _ in range(MAX_FOLLOWERS)]
-        wait_until(lambda: sum(other.service.resume._stored.values()) == MAX_FOLLOWERS, what="the followers")
-        refused = follow(starts[0])
-        refused.read_to_end()
-        assert refused.status == 429 and refused.json()["error"] == {"type": "queue_full", "message": CROWDED}
-        other.service.resume.store.readers = MAX_FOLLOWERS + 1  # as if the store had one reader left
-        second = follow(starts[1])
-        wait_until(lambda: sum(other.service.resume._stored.values()) == MAX_FOLLOWERS + 1, what="the follower")
-        busy = follow(starts[1])
-        busy.read_to_end()
-        assert busy.status == 429 and "resume store" in busy.json()["error"]["message"], busy.raw
+        wait_until(lambda: sum(resume._stored.values()) == MAX_FOLLOWERS, what="the followers")
+        assert refusal(follow(starts[0])) == CROWDED
+        resume.store.readers = readers = int(MAX_FOLLOWERS / share)  # 127.0.0.1 holds its whole share of them
+        assert "this client follows 4 streams from the resume store, its share" in refusal(follow(starts[1]))
+        second = follow(starts[1], local="127.0.0.2")  # another client still resumes here
+        wait_until(lambda: sum(resume._stored.values()) == MAX_FOLLOWERS + 1, what="the follower")
+        resume.store.readers = MAX_FOLLOWERS + 1  # as if the store had no reader left
+        assert "the resume store serves 5 followers at once" in refusal(follow(starts[1], local="127.0.0.3"))
         first.pop().close_fin()
-        wait_until(lambda: sum(other.service.resume._stored.values()) == MAX_FOLLOWERS, what="the follower to leave")
-        first.append(follow(starts[0]))
+        wait_until(lambda: sum(resume._stored.values()) == MAX_FOLLOWERS, what="the follower to leave")
+        resume.store.readers = readers
+        first.append(follow(starts[0]))  # the place it left, taken again
         for start in starts:
             runs.engine.resume(start["request_id"])
         for client in (*creators, *first, second):
             assert client.read_to_end()[-1][0] == "done"
-        wait_until(lambda: not other.service.resume._stored, what="every follower to leave")
+        wait_until(lambda: not resume._stored and not resume._readers, what="every follower to leave")
 
 
 @needs_redis

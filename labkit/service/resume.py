@@ -30,9 +30,12 @@ them, so that no single client can take them all.
 One stream has at most :data:`MAX_FOLLOWERS` followers at once (its creator counts; more get
 429 ``queue_full``): each event wakes every follower, and each replays from the log, so a client
 that fanned its own stream out to a few hundred followers slowed every other stream by half.
-The cap holds for a stream followed from the store too, and those followers together are bounded
-by the store's ``readers``: each holds one of its connections in a blocking read, and the runs'
-writes need the rest (a write that waits too long fails every resumable run on this server).
+The cap holds for a stream followed from the store too, counted on each server (every server
+sharing the store may serve it that many), and those followers together are bounded by the
+store's ``readers``: each holds one of its connections in a blocking read, and the runs' writes
+need the rest (a write that waits too long fails every resumable run on this server). One client
+may hold only ``resumable_share`` of those readers, as of the runs, so that no client can shut
+every other out of resuming here.
 
 Because the pump always reads at once, slow-reader policies never see a resumable stream: its
 backlog lives in the log, bounded by the token budget and ``resume_log_events``.
@@ -144,6 +147,7 @@ class ResumeRegistry:
         self._logs: dict[str, EventLog] = {}
         self._held: Counter[str] = Counter()  # logs alive, by client
         self._stored: Counter[str] = Counter()  # followers of logs this process only reads, by id
+        self._readers: Counter[str] = Counter()  # the same followers, by client
 
     def __len__(self) -> int:
         return len(self._logs)
@@ -225,19 +229,26 @@ class ResumeRegistry:
         self._refuse_crowd(log.followers)
         return log if to_follow(log, cursor) else None
 
-    def _crowded(self, followers: int, stored: bool = False) -> str | None:
-        """Why one more follower is refused: its stream's cap, or (from the store) the store's readers."""
+    def _crowded(self, followers: int, client: str | None = None) -> str | None:
+        """Why one more follower is refused: its stream's cap, or (a ``client`` following from the
+        store) the store's readers, all of them or this client's share of them, as for runs."""
         if followers >= MAX_FOLLOWERS:
             return CROWDED
-        if stored and sum(self._stored.values()) >= self.store.readers:
-            return f"the resume store serves {self.store.readers} followers at once, the most"
+        if client is None:
+            return None
+        readers, share = self.store.readers, self.limits.share
+        if sum(self._stored.values()) >= readers:
+            return f"the resume store serves {readers} followers at once, the most"
+        if self._readers[client] >= max(1, int(readers * share)):
+            return (f"this client follows {self._readers[client]} streams from the resume store, its share of "
+                    f"the store's {readers} readers (resumable_share {share}); try again later")  # fmt: skip
         return None
 
-    def _refuse_crowd(self, followers: int, stored: bool = False) -> None:
-        if why := self._crowded(followers, stored):
+    def _refuse_crowd(self, followers: int, client: str | None = None) -> None:
+        if why := self._crowded(followers, client):
             raise ServiceError(429, "queue_full", why, {"Retry-After": str(self.limits.retry_after_s)})
 
-    async def check_stored(self, rid: str, token: str | None, cursor: int) -> StoredLog | None:
+    async def check_stored(self, rid: str, token: str | None, cursor: int, client: str) -> StoredLog | None:
         """:meth:`check_cursor` for a stream this process does not hold, asked of the store."""
         try:
             log = None if token is None else await self.store.find(rid, token)
@@ -246,25 +257,27 @@ class ResumeRegistry:
         if log is None:
             self.find(rid, None)  # raises the very 404 of an unknown id
         assert log is not None
-        self._refuse_crowd(self._stored[rid], stored=True)
+        self._refuse_crowd(self._stored[rid], client)
         return log if to_follow(log, cursor) else None
 
-    async def follow_stored(self, log: StoredLog, cursor: int) -> AsyncIterator[bytes]:
+    async def follow_stored(self, log: StoredLog, cursor: int, client: str) -> AsyncIterator[bytes]:
         """Replay and follow a stored log; a store that fails mid-way cuts the stream (the client
         resumes); an error event if more followers came between their checks and here."""
-        if why := self._crowded(self._stored[log.rid], stored=True):
+        if why := self._crowded(self._stored[log.rid], client):
             yield ServerSentEvent(data=json.dumps(error_envelope("queue_full", why)), event="error").encode()
             return
         self._stored[log.rid] += 1
+        self._readers[client] += 1
         try:
             async for frame in self.store.follow(log, cursor, self.keepalive):
                 yield PING.data if frame is None else wire_bytes(frame, self.pad_bytes)
         except StoreUnavailable:
             return
         finally:
-            self._stored[log.rid] -= 1
-            if not self._stored[log.rid]:
-                del self._stored[log.rid]
+            for counter, key in ((self._stored, log.rid), (self._readers, client)):
+                counter[key] -= 1
+                if not counter[key]:
+                    del counter[key]
 
     async def follow(self, log: EventLog, cursor: int) -> AsyncIterator[bytes]:
         """Replay what is after ``cursor``, then follow live until the terminal event; an error
@@ -395,10 +408,11 @@ async def resume_events(request: Request, request_id: str, asked: Asked) -> Resp
     service = request.app.state.service
     cursor, given = asked.cursor, asked.token
     if service.resume.get(request_id) is None:  # not run here: perhaps by a server before this one
-        stored = await service.resume.check_stored(request_id, given, cursor)
+        client = request.client.host if request.client else ""
+        stored = await service.resume.check_stored(request_id, given, cursor, client)
         if stored is None:
             return Response(status_code=204)
-        body = service.resume.follow_stored(stored, cursor)
+        body = service.resume.follow_stored(stored, cursor, client)
         return sse_response(body, service.config.response_class, request_id=request_id)
     log = service.resume.check_cursor(request_id, given, cursor)
     if log is None:
