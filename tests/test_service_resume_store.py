@@ -108,14 +108,34 @@ def test_a_log_whose_server_died_is_ended_once_with_a_shutdown_error() -> None:
     asyncio.run(body())
 
 
-def test_a_vanished_log_ends_its_reader_without_an_event() -> None:
+def test_a_vanished_log_ends_its_reader_with_a_cancelled_error_it_does_not_store() -> None:
     async def body() -> None:
         store = fake_store()
         await write(store, token_frames(2))
         log = await store.find("req-x", "secret-token")
         await store.forget("req-x")  # cancelled for want of a reader, or expired
-        assert log is not None and await read_all(store, log, 3) == []
+        assert log is not None and [(f.kind, f.id) for f in await read_all(store, log, 3)] == [("error", 4)]
         assert not await store.redis.exists(PREFIX + "req-x")  # and ending it created nothing
+        await store.aclose()
+
+    asyncio.run(body())
+
+
+def test_a_reader_marks_the_log_watched_while_it_reads_and_no_longer() -> None:
+    async def body() -> None:
+        store = fake_store()
+        await write(store, token_frames(2))
+        log = await store.find("req-x", "secret-token")
+        assert log is not None and not await store.watched("req-x")
+        reader = asyncio.ensure_future(read_all(store, log, 3))
+        await asyncio.sleep(0.05)
+        assert await store.watched("req-x")
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        assert 0 < await store.redis.pttl(PREFIX + "req-x:watched") <= LEASE_S * 1000  # it lapses on its own
+        await store.forget("req-x")
+        assert not await store.watched("req-x")
         await store.aclose()
 
     asyncio.run(body())
@@ -292,6 +312,32 @@ def test_followers_from_the_store_are_capped_per_stream_per_client_and_in_all(ti
         for client in (*creators, *first, second):
             assert client.read_to_end()[-1][0] == "done"
         wait_until(lambda: not resume._stored and not resume._readers, what="every follower to leave")
+
+
+@needs_redis
+def test_a_follower_on_another_server_keeps_the_run_alive_past_the_grace(tiny_gpt2: Any, redis_url: str) -> None:
+    """The creator hangs up; a follower on a server sharing the store reads on. The run outlives
+    its grace there as it would for a follower here (it was cancelled, and the follower got a bare
+    EOF and then 404: a hostile review)."""
+    from service_helpers import wait_until
+
+    with lab_server(tiny_gpt2, resume_store=redis_url, resume_grace=0.5) as runs, \
+            lab_server(tiny_gpt2, resume_store=redis_url) as other:  # fmt: skip
+        creator = RawClient(runs.url).post("/v1/stream", {**BODY, "max_new_tokens": 40})
+        start = creator.read_events(2)[0][1]
+        rid = start["request_id"]
+        runs.engine.pause(rid)  # standing still, so the grace runs out before the end
+        follower = RawClient(other.url).request("GET", f"/v1/streams/{rid}/events?after=2",
+                                                headers={"X-Resume-Token": start["resume_token"]}).read_head()
+        creator.close_fin()
+        log = runs.service.resume.get(rid)
+        wait_until(lambda: log.followers == 0 and log.timer is not None, what="the creator to leave")
+        first = log.timer
+        wait_until(lambda: log.timer not in (None, first), what="the grace to run out, and another to start")
+        assert runs.service.resume.get(rid) is log and not log.expired
+        runs.engine.resume(rid)
+        events = follower.read_to_end()
+        assert events[-1][0] == "done" and len(tokens_of(events)) == 39, events[-3:]
 
 
 @needs_redis

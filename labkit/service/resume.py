@@ -3,7 +3,8 @@
 With ``resumable: true`` the hub stream is read by a *pump* task, not by the response: the pump
 writes every frame to the stream's :class:`EventLog`, and responses only *follow* the log. So a
 client that disconnects does not stop the run at once; when the last follower leaves, a grace
-timer starts (``resume_grace``, default 10 s), and a follower that comes back in time stops it.
+timer starts (``resume_grace``, default 10 s), and a follower that comes back in time stops it;
+a follower on another server sharing the store, seen there when the grace runs out, grants another.
 If nobody comes back, the pump is cancelled, which closes the hub stream (and so cancels the
 engine request), and the log is forgotten: the id is then unknown (404).
 
@@ -85,6 +86,7 @@ class EventLog:
         self.followers = 0
         self.timer: asyncio.TimerHandle | None = None
         self.pump: asyncio.Task[None] | None = None
+        self.check: asyncio.Task[None] | None = None  # asking the store whether another server's follower reads it
         self.expired = False  # nobody came back in time: the run is cancelled and its stored copy deleted
 
     @property
@@ -328,6 +330,26 @@ class ResumeRegistry:
         log.timer = None
         if log.followers and not log.finished:
             return
+        if log.finished or self.store.refresh_s is None:  # no other server can be following it
+            self._drop(log)
+        else:
+            log.check = asyncio.get_running_loop().create_task(self._drop_unless_watched(log))
+
+    async def _drop_unless_watched(self, log: EventLog) -> None:
+        """A follower on a server sharing the store keeps the run, as one here does: another grace."""
+        try:
+            watched = await self.store.watched(log.rid)
+        except StoreUnavailable:
+            watched = False  # nobody can tell: the grace is the bound
+        log.check = None
+        if log.timer is not None or (log.followers and not log.finished):
+            return  # it finished, or a follower came here, while the store was asked
+        if watched:
+            self._arm(log)
+        else:
+            self._drop(log)
+
+    def _drop(self, log: EventLog) -> None:
         if self._logs.get(log.rid) is log:  # a follower still replaying keeps its own reference
             del self._logs[log.rid]
             self._held[log.client] -= 1
@@ -345,10 +367,12 @@ class ResumeRegistry:
         for log in logs:
             if log.timer is not None:
                 log.timer.cancel()
+            if log.check is not None:
+                log.check.cancel()
             if log.pump is not None:
                 log.pump.cancel()
-        pumps = [log.pump for log in logs if log.pump is not None]
-        await asyncio.gather(*pumps, return_exceptions=True)
+        tasks = [task for log in logs for task in (log.pump, log.check) if task is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.store.aclose()
 
 

@@ -8,6 +8,9 @@ Keys, for request id ``R`` (prefix ``labkit:resume:``):
 * ``R:meta``: a hash with the SHA-256 of the resume token (the token itself is never stored).
 * ``R:lease``: present while a server runs the stream; it expires :data:`LEASE_S` after that
   server's last refresh, which is how a reader elsewhere learns that the run died with its server.
+* ``R:watched``: present while a reader on any server follows the stream; it expires
+  :data:`LEASE_S` after that reader's last refresh, which is how the server running it learns,
+  when its grace runs out with no follower of its own, that someone still reads it.
 
 Every key expires ``resume_store_ttl`` seconds after its stream's last write (refreshed with the
 lease while the run is alive); a run cancelled because nobody came back is deleted at once.
@@ -26,7 +29,15 @@ from typing import Any
 
 from labkit.schema import StreamEncoder
 from labkit.service.frames import Frame
-from labkit.service.resume_store import StoredLog, StoreUnavailable, is_terminal, lost_frame, same_digest, token_digest
+from labkit.service.resume_store import (
+    StoredLog,
+    StoreUnavailable,
+    gone_frame,
+    is_terminal,
+    lost_frame,
+    same_digest,
+    token_digest,
+)
 
 PREFIX = "labkit:resume:"
 LEASE_S = 3.0  # a run's lease outlives its last refresh by this much
@@ -112,7 +123,11 @@ class RedisStore:
 
     async def forget(self, rid: str) -> None:
         self._refreshed.pop(rid, None)
-        await self._call(self.redis.delete(PREFIX + rid, PREFIX + rid + ":meta", PREFIX + rid + ":lease"))
+        await self._call(self.redis.delete(*(PREFIX + rid + key for key in ("", ":meta", ":lease", ":watched"))))
+
+    async def watched(self, rid: str) -> bool:
+        """Whether a reader on some server has followed this log within the last :data:`LEASE_S`."""
+        return bool(await self._call(self.redis.exists(PREFIX + rid + ":watched")))
 
     # -- reading (any server) ---------------------------------------------------------------------
     async def find(self, rid: str, token: str) -> StoredLog | None:
@@ -131,11 +146,15 @@ class RedisStore:
 
     async def follow(self, log: StoredLog, cursor: int, keepalive: float) -> AsyncIterator[Frame | None]:
         """The events after ``cursor``, then each new one as it is written, to the terminal event;
-        ``None`` after ``keepalive`` seconds without one (time for a ping). A log whose lease is gone
-        without a last event is ended here with the ``shutdown`` error; a log that vanished
-        (expired, or cancelled) just ends, and the next resume gets 404."""
-        rid, quiet_since = log.rid, time.monotonic()
+        ``None`` after ``keepalive`` seconds without one (time for a ping). While it reads, the log
+        is marked watched, so its run outlives its grace. A log whose lease is gone without a last
+        event is ended here with the ``shutdown`` error; one that vanished (expired, or cancelled)
+        ends with a ``cancelled`` error that is not stored, and the next resume gets 404."""
+        rid, quiet_since, watched = log.rid, time.monotonic(), -REFRESH_S
         while True:
+            if time.monotonic() - watched >= REFRESH_S:
+                await self._call(self.redis.set(PREFIX + rid + ":watched", b"1", px=int(LEASE_S * 1000)))
+                watched = time.monotonic()
             frames = await self._after(rid, cursor, block_s=WAIT_S)
             for frame in frames:
                 yield frame
@@ -147,6 +166,7 @@ class RedisStore:
                 continue
             if not await self._call(self.redis.exists(PREFIX + rid + ":lease")):
                 if not await self._end_lost(rid, cursor + 1):
+                    yield gone_frame(cursor + 1)
                     return
                 continue
             if time.monotonic() - quiet_since >= keepalive:

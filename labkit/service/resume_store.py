@@ -39,6 +39,7 @@ from labkit.service.frames import TERMINAL, Frame
 from labkit.sse import ServerSentEvent
 
 LOST_MESSAGE = "the server running this stream stopped before it ended"
+GONE_MESSAGE = "this stream's log is gone before its end: cancelled, with no follower within the grace, or expired"
 
 
 class StoreUnavailable(LabkitError):
@@ -74,6 +75,8 @@ class ResumeStore(Protocol):
 
     async def alive(self, rid: str) -> None: ...
 
+    async def watched(self, rid: str) -> bool: ...  # a follower on any server reads it now
+
     async def release(self, rid: str) -> None: ...
 
     async def forget(self, rid: str) -> None: ...
@@ -102,6 +105,9 @@ class MemoryStore:
 
     async def alive(self, rid: str) -> None:
         return None
+
+    async def watched(self, rid: str) -> bool:
+        return False
 
     async def release(self, rid: str) -> None:
         return None
@@ -141,6 +147,12 @@ def same_digest(token: str, digest: str) -> bool:
 def lost_frame(event_id: int) -> Frame:
     """The ``shutdown`` error that ends a log whose server died without ending it."""
     payload = json.dumps(error_envelope("shutdown", LOST_MESSAGE), ensure_ascii=False, separators=(",", ":"))
+    return Frame("error", ServerSentEvent(data=payload, event="error", id=event_id).encode(), event_id)
+
+
+def gone_frame(event_id: int) -> Frame:
+    """The ``cancelled`` error a reader ends with when the log vanished under it (not stored)."""
+    payload = json.dumps(error_envelope("cancelled", GONE_MESSAGE), ensure_ascii=False, separators=(",", ":"))
     return Frame("error", ServerSentEvent(data=payload, event="error", id=event_id).encode(), event_id)
 
 
