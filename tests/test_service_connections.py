@@ -224,6 +224,33 @@ def test_a_client_that_stops_reading_is_cut_off_after_the_send_timeout(tiny_gpt2
         reader.sock.close()
 
 
+def test_a_connection_serves_at_most_its_requests_and_says_close_on_the_last(tiny_gpt2: Any) -> None:
+    """nginx's keepalive_requests: an ordinary keep-alive client is told to close on the last one
+    and simply reconnects; it loses no request."""
+    with lab_server(tiny_gpt2, max_requests_per_connection=3) as server, \
+            httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:  # fmt: skip
+        answers = [client.get("/healthz") for _ in range(7)]
+        assert [a.status_code for a in answers] == [200] * 7
+        assert [a.headers.get("connection") for a in answers] == [None, None, "close"] * 2 + [None]
+        assert closes(server)["max_requests"] == 2
+
+
+def test_a_pipelined_flood_that_is_never_read_ends_at_the_request_bound(tiny_gpt2: Any) -> None:
+    """One connection pipelines thousands of requests and reads no answer (a hostile review: the
+    server served 60,000 of them, 10 s of CPU, and the slot was taken for 42 s, past the send
+    timeout). The connection ends after ``max_requests_per_connection`` answers, its slot with it."""
+    with lab_server(tiny_gpt2, max_requests_per_connection=50, max_connections=2, send_timeout=60.0) as server:
+        flood = connect(server)
+        flood.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 5000)
+        wait_until(lambda: closes(server).get("max_requests") == 1, what="the flood's connection to end")
+        raw = read_until_closed(flood)  # the server closed it: neither the send timeout nor the client
+        assert raw.count(b"HTTP/1.1 200") <= 50
+        held = served(server, 1)  # the flood's slot is free again: two connections are served
+        assert closes(server).get("send_timeout") is None
+        for sock in (flood, *held):
+            sock.close()
+
+
 def test_a_slow_but_steady_reader_is_not_cut_off(tiny_gpt2: Any) -> None:
     """The send timeout is about no progress, not about slowness: a reader that keeps reading,
     slower than the server writes (so the writer waits on it again and again), gets its stream."""

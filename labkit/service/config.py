@@ -72,6 +72,10 @@ class HttpConfig:
     max_pending_connections: int = setting(
         256, "connections not yet served (no complete request yet); one more closes the oldest of them"
     )
+    max_requests_per_connection: int = setting(
+        1000,
+        "requests served on one connection; the last is answered with Connection: close (nginx's keepalive_requests)",
+    )
     max_body_bytes: int = setting(1 << 20, "larger request bodies get 413 before anything reads or tokenizes them")
     log_level: str = setting("info", "uvicorn's log level", choices=LOG_LEVELS)
     deadline_gate: bool = setting(
@@ -120,7 +124,7 @@ class HttpConfig:
         _check(self, "sndbuf", lambda v: v is None or (_is_int(v) and v >= 4096), "None or an int >= 4096")
         for name in ("idle_timeout", "header_timeout", "body_timeout", "send_timeout"):
             _check(self, name, _positive_number, "a number > 0")
-        for name in ("max_connections", "max_pending_connections", "max_body_bytes"):
+        for name in ("max_connections", "max_pending_connections", "max_requests_per_connection", "max_body_bytes"):
             _check(self, name, lambda v: _is_int(v) and v >= 1, "an int >= 1")
         _check(self, "log_level", lambda v: v in LOG_LEVELS, f"one of {LOG_LEVELS}")
         _check(self, "deadline_gate", lambda v: isinstance(v, bool), "a bool")

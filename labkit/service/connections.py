@@ -34,6 +34,13 @@ The cap is on connections that are being served, not on sockets (:class:`Slots`)
 (Counting every open socket at each request, as before, let a crowd of silent sockets refuse
 every request, even one on a connection served a moment earlier.)
 
+One connection serves at most ``max_requests_per_connection`` requests (nginx's
+``keepalive_requests``); the last is answered with ``Connection: close`` and the connection
+ends (``max_requests``). A client reconnects for more, as it must anyway. Without it, one
+connection that pipelined 60,000 requests and read no answer made the server serve them all
+(10 s of CPU, and a neighbour's stream at half pace) until the kernel's buffers filled, and only
+then did the send timeout's clock start: its slot stayed taken for 42 s.
+
 Framing, where uvicorn leaves a choice open:
 
 * a request h11 cannot read at all (two ``Content-Length`` headers, a bad chunk size, HTTP/1.1
@@ -68,7 +75,15 @@ from labkit.service.errors import envelope
 
 TRANSPORT_KEY = "labkit.transport"  # the scope key naming the connection's transport
 MALFORMED = "the request cannot be read as HTTP/1.1: malformed framing, head or Host"
-CLOSE_REASONS = ("idle_timeout", "header_timeout", "body_timeout", "send_timeout", "over_capacity", "crowded_out")
+CLOSE_REASONS = (
+    "idle_timeout",
+    "header_timeout",
+    "body_timeout",
+    "send_timeout",
+    "over_capacity",
+    "crowded_out",
+    "max_requests",
+)
 
 
 class Slots:
@@ -126,6 +141,7 @@ class GuardedH11Protocol(H11Protocol):
         self._send_timer: asyncio.TimerHandle | None = None
         self._send_buffered = 0
         self.admitted: bool | None = None  # None until the first request head is complete
+        self.requests = 0  # served on this connection, pipelined ones too
         self.app = self._capped(self.app)
 
     # -- phases -------------------------------------------------------------------------------
@@ -259,7 +275,11 @@ class GuardedH11Protocol(H11Protocol):
                 await send({"type": "http.response.body", "body": _body("over_capacity", message)})
                 return
             scope[TRANSPORT_KEY] = self.transport  # for a lab route that must cut its connection (lab_demo)
-            if scope["type"] == "http" and _both_lengths(scope["headers"]):
+            self.requests += scope["type"] == "http"
+            if self.requests == self.guards.http.max_requests_per_connection:
+                self.guards.on_close("max_requests")
+                send = _closing(send)
+            elif scope["type"] == "http" and _both_lengths(scope["headers"]):
                 send = _closing(send)
             await app(scope, receive, send)
 
