@@ -31,7 +31,7 @@ from hostile_helpers import (
 )
 
 from labkit.lab import ReadOptions, Request, Target
-from labkit.lab.client import JSON_CAP, get_json, read, run_sync
+from labkit.lab.client import JSON_CAP, async_client, get_json, read, run_sync
 from labkit.lab.probe import connect
 from labkit.lab.target import TargetError
 
@@ -362,3 +362,25 @@ def test_a_body_that_ends_a_moment_after_its_stream_is_whole_even_without_a_drai
     with hostile(end_later) as url:
         stream = completion(Target(url, api="openai"), ReadOptions(timeout=20, drain_after_fin_s=0.0), raw=raw)
     assert stream.ok and stream.error is None and stream.chunks == 1
+
+
+def test_bytes_past_an_answer_s_end_fail_it_and_never_answer_the_next_request():
+    """A second, unasked answer sent right behind the first sat in the kept-alive connection, and
+    the next request on a shared client read it as its own without reaching the server (a review:
+    50 "EVIL" tokens for an 8-token request). Now the first fails, and its connection is closed."""
+    evil = f"{OPENAI}\n\n".replace("\n", "\r\n").encode() + sse_body(*[_choice("EVIL")] * 5, "[DONE]")
+    behave, connections = canned(OPENAI, sse_body(_choice("ok"), _choice("", "length"), "[DONE]") + evil), []
+
+    async def counted(w) -> None:
+        connections.append(w)
+        await behave(w)
+
+    async def twice(url: str) -> list:
+        request = Target(url, api="openai").request("hi", 8)
+        async with async_client(url, 1, 10) as client:
+            return [await read(url, request, ReadOptions(timeout=10), client=client) for _ in range(2)]
+
+    with hostile(counted) as url:
+        first, second = run_sync(twice(url))
+    assert "bytes past its answer's end, unasked for" in first.failure and first.text == "ok"
+    assert second.text == "ok" and len(connections) == 2  # asked of the server, on a new connection
