@@ -384,3 +384,19 @@ def test_bytes_past_an_answer_s_end_fail_it_and_never_answer_the_next_request():
         first, second = run_sync(twice(url))
     assert "bytes past its answer's end, unasked for" in first.failure and first.text == "ok"
     assert second.text == "ok" and len(connections) == 2  # asked of the server, on a new connection
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])
+def test_a_read_ends_with_the_run_s_budget_whatever_its_own_bound(raw):
+    """A target that trickles pings holds each read to its own bound (300 s by default); a run
+    with ``max_seconds`` ends them all by its end (a review: six such reads held a run 30 min)."""
+    from labkit.lab.client import BUDGET_SPENT, RUN_ENDS
+
+    with hostile(trickle_stream) as url:
+        budget = RUN_ENDS.set(time.perf_counter() + 0.5)
+        try:
+            start = time.perf_counter()
+            stream = completion(Target(url, api="openai"), ReadOptions(timeout=60), raw=raw)
+        finally:
+            RUN_ENDS.reset(budget)
+    assert stream.error == BUDGET_SPENT and time.perf_counter() - start < 5

@@ -183,3 +183,31 @@ def test_every_holds_only_for_rows_that_exist_and_seen_quotes_distinct_values():
     assert every(pd.Series([True, False])) is False
     assert every(pd.Series([], dtype=bool)) is None and every(pd.Series([float("nan")])) is None  # nothing proves nothing
     assert seen(pd.Series([3, 1, 3, None])) == [1.0, 3.0] and seen(pd.Series(["b", "a"])) == ["a", "b"]
+
+
+def test_a_run_with_a_budget_begins_no_trial_after_it_and_says_which_it_left():
+    import time
+
+    def measure(trial):
+        time.sleep(0.3)
+        return {"v": trial.value}
+
+    result = run(spec(measure), target(), profile=PROFILE, show=False, max_seconds=0.5)
+    left = result.table("not_measurable").iloc[0]
+    assert 1 <= len(result.table()) <= 2 and left.condition == f"the last {6 - len(result.table())} trials"
+    assert left.because == "the run's budget of 0.5 s was spent"
+
+
+def test_a_trial_that_fails_once_the_budget_is_spent_ends_the_run_with_what_it_had():
+    import time
+
+    def measure(trial):
+        if trial.repetition == 1:
+            time.sleep(0.4)
+            raise OSError("a read the budget cut")
+        return {"v": trial.value}
+
+    result = run(spec(measure), target(), profile=PROFILE, show=False, max_seconds=0.3)
+    assert len(result.table()) == 3 and result.table("not_measurable").condition.tolist() == ["the last 3 trials"]
+    with pytest.raises(OSError):  # without a budget the same failure is the run's
+        run(spec(measure), target(), profile=PROFILE, show=False)

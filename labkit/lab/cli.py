@@ -14,6 +14,7 @@ import argparse
 import ast
 import os
 import sys
+import time
 from typing import Any
 
 from labkit.lab.experiment import Sizes
@@ -37,6 +38,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--set", action="append", default=[], metavar="SIZE=VALUE", help="change a size, e.g. levels=1,64"
     )
     parser.add_argument("--no-figures", action="store_true", help="write tables only")
+    parser.add_argument("--max-seconds", type=float, default=None, metavar="S",
+                        help="end the whole command by then: reads are cut, trials not begun are listed")  # fmt: skip
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -63,8 +66,12 @@ def run_from_args(args: argparse.Namespace) -> int:
             target = LocalLab(profile.model)
     except (KeyError, ValueError, TargetError) as exc:
         return _fail(str(exc).strip("'\""))
+    ends = None if args.max_seconds is None else time.perf_counter() + args.max_seconds
     try:
         for spec in chosen:
+            if ends is not None and time.perf_counter() >= ends:
+                print(f"skipped {spec.name}: the budget of {args.max_seconds:g} s (--max-seconds) was spent")
+                continue
             missing = [cap for cap in spec.needs if not getattr(target.caps, cap)]
             if missing:
                 reason = f"{spec.name} needs labkit's own server: {target.caps.why_not(missing[0])}"
@@ -74,7 +81,8 @@ def run_from_args(args: argparse.Namespace) -> int:
                 continue
             sizes = {k: v for k, v in overrides.items() if k in spec.sizes[profile.name]}
             before = dict(target.tally)
-            result = run(spec, target, profile=profile, **sizes)
+            left = None if ends is None else ends - time.perf_counter()
+            result = run(spec, target, profile=profile, max_seconds=left, **sizes)
             if not args.no_figures:
                 result.plot()
             print(result.verdict_table().to_string())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import socket
 import threading
@@ -35,6 +36,10 @@ import numpy as np
 
 from labkit.lab.stream import API, EventSplitter, ReadOptions, Stream, json_or_text
 from labkit.machine import linger_zero
+
+# When the run in progress must end (perf_counter), if it has a budget: every read ends by then.
+RUN_ENDS: contextvars.ContextVar[float | None] = contextvars.ContextVar("labkit_run_ends", default=None)
+BUDGET_SPENT = "the run's time budget (max_seconds) ran out"
 
 __all__ = [
     "Request",
@@ -97,6 +102,9 @@ async def read(
     raw = raw or options.keep_wire  # only the raw reader owns its socket and sees every byte
     # a planned leave in time is kept to the moment by the raw reader (httpx waits for the head first)
     raw = raw or (options.leave_after_s is not None and url.startswith("http:"))
+    limit, ends = options.bound_s + options.drain_after_fin_s + 0.5, RUN_ENDS.get()
+    cut = ends is not None and ends - time.perf_counter() < limit  # the run's budget comes first
+    limit = max(0.0, ends - time.perf_counter()) if cut and ends is not None else limit
     try:
         async with contextlib.AsyncExitStack() as stack:
             if raw:
@@ -105,9 +113,11 @@ async def read(
                 if client is None:
                     client = await stack.enter_async_context(async_client(url, 1, options.timeout))
                 work = _httpx(client, request, options, result)
-            await asyncio.wait_for(work, options.bound_s + options.drain_after_fin_s + 0.5)
+            await asyncio.wait_for(work, limit)
     except TimeoutError:
-        if result.left is None and options.bound_s < options.timeout:
+        if cut:
+            result.error = BUDGET_SPENT
+        elif result.left is None and options.bound_s < options.timeout:
             result.left, result.left_at = options.leave_by, time.perf_counter()  # the planned leave came first
         elif result.left is None:
             result.error = f"no end within the {options.timeout:g} s bound of one request"
@@ -444,10 +454,11 @@ def run_sync(coro: Awaitable[T]) -> T:
     except RuntimeError:
         return asyncio.run(coro)  # type: ignore[arg-type]
     box: dict[str, Any] = {}
+    context = contextvars.copy_context()  # the run's budget (RUN_ENDS) holds in the helper thread too
 
     def target() -> None:
         try:
-            box["value"] = asyncio.run(coro)  # type: ignore[arg-type]
+            box["value"] = context.run(asyncio.run, coro)  # type: ignore[arg-type]
         except BaseException as exc:  # re-raised in the caller's thread
             box["error"] = exc
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import pandas as pd
 
+from labkit.lab.client import RUN_ENDS
 from labkit.lab.experiment import Experiment, Sizes, Tables, Trial
 from labkit.lab.profiles import Profile, get_profile
 from labkit.lab.record import MachineState, environment, machine_record, provenance_line
@@ -151,9 +152,14 @@ def run(
     profile: Profile | None = None,
     save: bool = True,
     show: bool = True,
+    max_seconds: float | None = None,
     **overrides: Any,
 ) -> Result:
-    """Measure ``spec`` on ``target`` (None: labkit in a background thread, stopped at the end)."""
+    """Measure ``spec`` on ``target`` (None: labkit in a background thread, stopped at the end).
+
+    ``max_seconds`` bounds the whole run (GuideLLM's ``--max-seconds``): every read ends by then,
+    and the trials not begun are one row of ``not_measurable``. A bound in seconds is for a target
+    that will not end its answers; verdicts on a cut run stand on fewer repetitions."""
     profile = profile or current_profile()
     sizes = spec.sizes_for(profile.name, **overrides)
     owned = target is None
@@ -161,7 +167,7 @@ def run(
     folder = data_folder(spec, profile, lab=owned or getattr(target, "lab_owned", False))
     before, started = MachineState.now(), time.perf_counter()
     try:
-        rows, kept, missing = _trials(spec, target, sizes, folder / "partial", show)
+        rows, kept, missing = _trials(spec, target, sizes, folder / "partial", show, max_seconds)
     finally:
         if owned:
             target.close()
@@ -193,7 +199,7 @@ def data_folder(spec: Experiment, profile: Profile, lab: bool = True) -> Path:
 
 
 def _trials(
-    spec: Experiment, target: Target, sizes: Sizes, partial: Path, show: bool
+    spec: Experiment, target: Target, sizes: Sizes, partial: Path, show: bool, max_seconds: float | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]], list[dict[str, Any]]]:
     rows: list[dict[str, Any]] = []
     kept: dict[str, list[dict[str, Any]]] = {}
@@ -207,10 +213,16 @@ def _trials(
     repetitions = int(sizes.as_dict().get("repetitions", 1))
     bar = _bar(spec.name, len(conditions) * repetitions, show)
     skipped: set[int] = set()
+    ends = None if max_seconds is None else time.perf_counter() + max_seconds
+    budget, begun = RUN_ENDS.set(ends), 0
     try:
         for rep in range(repetitions):
             order = list(enumerate(conditions))
             for i, condition in order[::-1] if spec.alternate and rep % 2 else order:
+                if ends is not None and time.perf_counter() >= ends:
+                    missing.append(_spent(spec, len(conditions) * repetitions - begun, max_seconds))
+                    return rows, kept, missing
+                begun += 1
                 if i in skipped:
                     bar.update(1)
                     continue
@@ -226,6 +238,11 @@ def _trials(
                     missing.append({"measurement": exc.what, "condition": label, "because": exc.because})
                     bar.update(1)
                     continue
+                except Exception:
+                    if ends is None or time.perf_counter() < ends:
+                        raise
+                    missing.append(_spent(spec, len(conditions) * repetitions - begun + 1, max_seconds))
+                    return rows, kept, missing  # a read the budget cut broke the trial: it is not kept
                 tag = {**condition, "repetition": rep}
                 rows += [{**tag, **row} for row in ([out] if isinstance(out, dict) else out)]
                 for name, more in trial.kept.items():
@@ -236,10 +253,16 @@ def _trials(
         print(f"{spec.name}: stopped; the trials finished so far are in {partial}")
         raise
     finally:
+        RUN_ENDS.reset(budget)
         bar.close()
         if state is not None and hasattr(state, "close"):
             state.close()  # engines or servers the experiment's prepare started
     return rows, kept, missing
+
+
+def _spent(spec: Experiment, left: int, max_seconds: float | None) -> dict[str, Any]:
+    return {"measurement": spec.name, "condition": f"the last {left} trials",
+            "because": f"the run's budget of {max_seconds:.3g} s was spent"}  # fmt: skip
 
 
 @contextlib.contextmanager
