@@ -266,7 +266,7 @@ class ResumeRegistry:
         """Replay and follow a stored log; a store that fails mid-way cuts the stream (the client
         resumes); an error event if more followers came between their checks and here."""
         if why := self._crowded(self._stored[log.rid], client):
-            yield ServerSentEvent(data=json.dumps(error_envelope("queue_full", why)), event="error").encode()
+            yield crowded_event(why)
             return
         self._stored[log.rid] += 1
         self._readers[client] += 1
@@ -285,7 +285,7 @@ class ResumeRegistry:
         """Replay what is after ``cursor``, then follow live until the terminal event; an error
         event if more followers came between their checks and here (the check raced)."""
         if why := self._crowded(log.followers):
-            yield ServerSentEvent(data=json.dumps(error_envelope("queue_full", why)), event="error").encode()
+            yield crowded_event(why)
             return
         self._attach(log)
         try:
@@ -374,6 +374,11 @@ class ResumeRegistry:
         tasks = [task for log in logs for task in (log.pump, log.check) if task is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.store.aclose()
+
+
+def crowded_event(why: str) -> bytes:
+    """The ``queue_full`` error a follower gets when more came between its check and its start."""
+    return ServerSentEvent(data=json.dumps(error_envelope("queue_full", why)), event="error").encode()
 
 
 def to_follow(log: EventLog | StoredLog, cursor: int) -> bool:
