@@ -36,7 +36,7 @@ every request, even one on a connection served a moment earlier.)
 
 One connection serves at most ``max_requests_per_connection`` requests (nginx's
 ``keepalive_requests``); the last is answered with ``Connection: close`` and the connection
-ends (``max_requests``). A client reconnects for more, as it must anyway. Without it, one
+ends (``max_requests``), lingering as nginx's does so that the answers sent reach the client. A client reconnects for more, as it must anyway. Without it, one
 connection that pipelined 60,000 requests and read no answer made the server serve them all
 (10 s of CPU, and a neighbour's stream at half pace) until the kernel's buffers filled, and only
 then did the send timeout's clock start: its slot stayed taken for 42 s.
@@ -142,6 +142,8 @@ class GuardedH11Protocol(H11Protocol):
         self._send_buffered = 0
         self.admitted: bool | None = None  # None until the first request head is complete
         self.requests = 0  # served on this connection, pipelined ones too
+        self.lingering = False  # its last answer is sent: what the client still sends is dropped
+        self._linger_timer: asyncio.TimerHandle | None = None
         self.app = self._capped(self.app)
 
     # -- phases -------------------------------------------------------------------------------
@@ -154,6 +156,8 @@ class GuardedH11Protocol(H11Protocol):
         self._follow_phase()
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return
         super().data_received(data)
         if self.admitted is None and self.cycle is not None:  # the first head is in: in arrival order
             self.admitted = self.guards.slots.take(self)
@@ -167,6 +171,8 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_phase()
         self._cancel_send()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         self.guards.slots.leave(self)
         super().connection_lost(exc)
 
@@ -181,6 +187,8 @@ class GuardedH11Protocol(H11Protocol):
         return None  # the request is in, or the connection is ending: the send timer's turn
 
     def _follow_phase(self) -> None:
+        if self.lingering:
+            return
         phase = self._current_phase()
         if phase == self.phase:
             return
@@ -279,11 +287,38 @@ class GuardedH11Protocol(H11Protocol):
             if self.requests == self.guards.http.max_requests_per_connection:
                 self.guards.on_close("max_requests")
                 send = _closing(send)
+                if self.cycle is not None:  # its close, once the answer is sent, lingers
+                    self.cycle.transport = _Lingering(self)  # type: ignore[assignment]  # a proxy of it
             elif scope["type"] == "http" and _both_lengths(scope["headers"]):
                 send = _closing(send)
             await app(scope, receive, send)
 
         return capped
+
+    def linger(self) -> None:
+        """nginx's lingering close: a FIN after the last answer, then what the client still sends
+        (requests it pipelined) is read and dropped, until it closes or for ``idle_timeout``.
+        Closing at once with those requests unread would reset the connection, and a reset
+        destroys the answers the client has not read yet."""
+        self.lingering = True
+        self._cancel_phase()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # after what is buffered
+        self.flow.resume_reading()  # uvicorn paused reading behind pipelined requests
+        self._linger_timer = self.loop.call_later(self.guards.http.idle_timeout, self.transport.close)
+
+
+class _Lingering:
+    """The transport as the last request's cycle sees it: its ``close`` lingers."""
+
+    def __init__(self, protocol: GuardedH11Protocol) -> None:
+        self._protocol, self._transport = protocol, protocol.transport
+
+    def close(self) -> None:
+        self._protocol.linger()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def _both_lengths(headers: list[tuple[bytes, bytes]]) -> bool:

@@ -24,8 +24,8 @@ PROTOCOL_METHODS = (
     "_unset_keepalive_if_required",
     "send_400_response",
 )
-PROTOCOL_STATE = ("transport", "conn", "loop", "cycle", "app", "connections")  # set in __init__
-CYCLE_STATE = ("response_started", "response_complete", "disconnected", "message_event")
+PROTOCOL_STATE = ("transport", "conn", "loop", "cycle", "app", "connections", "flow")  # set in __init__ or on connect
+CYCLE_STATE = ("response_started", "response_complete", "disconnected", "message_event", "transport")
 SERVER_USES = ("shutdown", "capture_signals", "_captured_signals", "server_state")
 
 
