@@ -121,21 +121,26 @@ def test_a_vanished_log_ends_its_reader_with_a_cancelled_error_it_does_not_store
     asyncio.run(body())
 
 
-def test_a_reader_marks_the_log_watched_while_it_reads_and_no_longer() -> None:
+def test_a_reader_keeps_the_log_watched_even_held_at_a_yield_and_no_longer_once_closed(monkeypatch) -> None:
+    """A slow client holds its reader at a ``yield`` longer than the mark lasts: the mark is kept
+    apart from the reads (a review found it lapsed under a live follower)."""
+    from labkit.service import resume_redis
+
+    monkeypatch.setattr(resume_redis, "LEASE_S", 0.3)
+    monkeypatch.setattr(resume_redis, "REFRESH_S", 0.1)
+
     async def body() -> None:
         store = fake_store()
         await write(store, token_frames(2))
         log = await store.find("req-x", "secret-token")
         assert log is not None and not await store.watched("req-x")
-        reader = asyncio.ensure_future(read_all(store, log, 3))
-        await asyncio.sleep(0.05)
+        reader = store.follow(log, 1, keepalive=60.0)
+        assert (await reader.__anext__()).id == 2
+        await asyncio.sleep(1.0)  # held at the yield: three of the mark's lifetimes
         assert await store.watched("req-x")
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reader
-        assert 0 < await store.redis.pttl(PREFIX + "req-x:watched") <= LEASE_S * 1000  # it lapses on its own
-        await store.forget("req-x")
-        assert not await store.watched("req-x")
+        await reader.aclose()
+        await asyncio.sleep(0.5)
+        assert not await store.watched("req-x")  # it lapses on its own once the reader is gone
         await store.aclose()
 
     asyncio.run(body())

@@ -49,6 +49,7 @@ process does not hold is answered from the store, with the same refusals.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import secrets
@@ -271,8 +272,9 @@ class ResumeRegistry:
         self._stored[log.rid] += 1
         self._readers[client] += 1
         try:
-            async for frame in self.store.follow(log, cursor, self.keepalive):
-                yield PING.data if frame is None else wire_bytes(frame, self.pad_bytes)
+            async with contextlib.aclosing(self.store.follow(log, cursor, self.keepalive)) as frames:
+                async for frame in frames:  # closed with this response, so its reader stops with it
+                    yield PING.data if frame is None else wire_bytes(frame, self.pad_bytes)
         except StoreUnavailable:
             return
         finally:
@@ -332,16 +334,17 @@ class ResumeRegistry:
             return
         if log.finished or self.store.refresh_s is None:  # no other server can be following it
             self._drop(log)
-        else:
+        elif log.check is None:  # (one still asking decides for this grace too)
             log.check = asyncio.get_running_loop().create_task(self._drop_unless_watched(log))
 
     async def _drop_unless_watched(self, log: EventLog) -> None:
         """A follower on a server sharing the store keeps the run, as one here does: another grace."""
         try:
             watched = await self.store.watched(log.rid)
-        except StoreUnavailable:
-            watched = False  # nobody can tell: the grace is the bound
-        log.check = None
+        except Exception:  # noqa: BLE001 - nobody can tell (StoreUnavailable, a closed client): the grace is the bound
+            watched = False
+        finally:
+            log.check = None
         if log.timer is not None or (log.followers and not log.finished):
             return  # it finished, or a follower came here, while the store was asked
         if watched:

@@ -21,10 +21,11 @@ the lease in the same pipeline. :func:`store_cost` measures what that costs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from labkit.schema import StreamEncoder
@@ -144,34 +145,43 @@ class RedisStore:
         ended = is_terminal(fields[b"k"].decode())
         return StoredLog(rid, _event_id(first_id), _event_id(last_id), ended, bool(lease))
 
-    async def follow(self, log: StoredLog, cursor: int, keepalive: float) -> AsyncIterator[Frame | None]:
+    async def follow(self, log: StoredLog, cursor: int, keepalive: float) -> AsyncGenerator[Frame | None, None]:
         """The events after ``cursor``, then each new one as it is written, to the terminal event;
         ``None`` after ``keepalive`` seconds without one (time for a ping). While it reads, the log
         is marked watched, so its run outlives its grace. A log whose lease is gone without a last
         event is ended here with the ``shutdown`` error; one that vanished (expired, or cancelled)
         ends with a ``cancelled`` error that is not stored, and the next resume gets 404."""
-        rid, quiet_since, watched = log.rid, time.monotonic(), -REFRESH_S
+        rid, quiet_since = log.rid, time.monotonic()
+        watching = asyncio.get_running_loop().create_task(self._watch(rid))
+        try:
+            while True:
+                frames = await self._after(rid, cursor, block_s=WAIT_S)
+                for frame in frames:
+                    yield frame
+                    cursor = frame.id or cursor
+                if frames:
+                    if frames[-1].terminal:
+                        return
+                    quiet_since = time.monotonic()
+                    continue
+                if not await self._call(self.redis.exists(PREFIX + rid + ":lease")):
+                    if not await self._end_lost(rid, cursor + 1):
+                        yield gone_frame(cursor + 1)
+                        return
+                    continue
+                if time.monotonic() - quiet_since >= keepalive:
+                    yield None
+                    quiet_since = time.monotonic()
+        finally:
+            watching.cancel()
+
+    async def _watch(self, rid: str) -> None:
+        """Mark the log watched every :data:`REFRESH_S`, apart from the reads: a slow client can
+        hold its reader at a ``yield`` for longer than the mark lasts (a review)."""
         while True:
-            if time.monotonic() - watched >= REFRESH_S:
+            with contextlib.suppress(StoreUnavailable):
                 await self._call(self.redis.set(PREFIX + rid + ":watched", b"1", px=int(LEASE_S * 1000)))
-                watched = time.monotonic()
-            frames = await self._after(rid, cursor, block_s=WAIT_S)
-            for frame in frames:
-                yield frame
-                cursor = frame.id or cursor
-            if frames:
-                if frames[-1].terminal:
-                    return
-                quiet_since = time.monotonic()
-                continue
-            if not await self._call(self.redis.exists(PREFIX + rid + ":lease")):
-                if not await self._end_lost(rid, cursor + 1):
-                    yield gone_frame(cursor + 1)
-                    return
-                continue
-            if time.monotonic() - quiet_since >= keepalive:
-                yield None
-                quiet_since = time.monotonic()
+            await asyncio.sleep(REFRESH_S)
 
     async def _after(self, rid: str, cursor: int, block_s: float) -> list[Frame]:
         work = self.redis.xread({PREFIX + rid: f"0-{cursor}"}, count=256, block=int(block_s * 1000))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -83,7 +83,7 @@ class ResumeStore(Protocol):
 
     async def find(self, rid: str, token: str) -> StoredLog | None: ...
 
-    def follow(self, log: StoredLog, cursor: int, keepalive: float) -> AsyncIterator[Frame | None]: ...
+    def follow(self, log: StoredLog, cursor: int, keepalive: float) -> AsyncGenerator[Frame | None, None]: ...
 
     async def aclose(self) -> None: ...
 
@@ -118,7 +118,7 @@ class MemoryStore:
     async def find(self, rid: str, token: str) -> StoredLog | None:
         return None
 
-    async def follow(self, log: StoredLog, cursor: int, keepalive: float) -> AsyncIterator[Frame | None]:
+    async def follow(self, log: StoredLog, cursor: int, keepalive: float) -> AsyncGenerator[Frame | None, None]:
         raise StoreUnavailable("the memory store keeps no log to follow")
         yield  # pragma: no cover - makes this an async generator
 
