@@ -400,3 +400,10 @@ def test_a_read_ends_with_the_run_s_budget_whatever_its_own_bound(raw):
         finally:
             RUN_ENDS.reset(budget)
     assert stream.error == BUDGET_SPENT and time.perf_counter() - start < 5
+
+
+def test_a_blank_line_after_an_answer_is_ignored_as_rfc_9112_says():
+    stream = _openai(_choice("ok"), _choice("", "length"), "[DONE]", head=OPENAI)
+    with hostile(canned(OPENAI, sse_body(_choice("ok"), _choice("", "length"), "[DONE]") + b"\r\n")) as url:
+        blank = completion(Target(url, api="openai"), ReadOptions(timeout=10))
+    assert stream.ok and blank.ok and blank.text == stream.text == "ok"

@@ -30,7 +30,7 @@ from labkit.lab.client import async_client, run_sync
 from labkit.lab.verdict import spread, tell
 from labkit.prompts import PROMPTS
 
-MAX_PEEK = 4 * 1024 * 1024  # past this an unread answer is no ordinary stream; the read reports it
+MAX_PEEK = 4 * 1024 * 1024  # an ordinary answer is far smaller; a larger one is never seen whole: falsified
 TRANSPORT_HIGH_WATER = 64 * 1024  # asyncio's default write-buffer high-water mark, which uvicorn keeps
 LOOPBACK = ("127.0.0.1", "localhost", "::1")  # a server here has this machine's kernel and clock
 

@@ -209,10 +209,10 @@ async def _refuse_unasked(response: httpx.Response, result: Stream) -> None:
     for name in ("_stream", "_httpcore_stream", "_stream", "_connection"):
         connection = getattr(connection, name, None)
     state = getattr(connection, "_h11_state", None)
-    if isinstance(state, h11.Connection) and state.their_state in (h11.DONE, h11.IDLE):
-        if extra := len(state.trailing_data[0]):
+    if isinstance(state, h11.Connection) and state.their_state in (h11.DONE, h11.IDLE) and state.trailing_data[0]:
+        if extra := len(state.trailing_data[0].lstrip(b"\r\n")):  # blank lines: RFC 9112 2.2 says ignore them
             result.error = result.error or f"the server sent {extra:,} bytes past its answer's end, unasked for"
-            await connection.aclose()
+        await connection.aclose()
 
 
 def _socket(response: httpx.Response) -> socket.socket | None:

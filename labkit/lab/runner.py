@@ -157,9 +157,10 @@ def run(
 ) -> Result:
     """Measure ``spec`` on ``target`` (None: labkit in a background thread, stopped at the end).
 
-    ``max_seconds`` bounds the whole run (GuideLLM's ``--max-seconds``): every read ends by then,
-    and the trials not begun are one row of ``not_measurable``. A bound in seconds is for a target
-    that will not end its answers; verdicts on a cut run stand on fewer repetitions."""
+    ``max_seconds`` bounds the trials (GuideLLM's ``--max-seconds``; not the target's start or
+    ``prepare``): every read ends by then, a trial still running then is dropped, and the trials
+    not begun are one row of ``not_measurable``. A bound in seconds is for a target that will not
+    end its answers; verdicts on a cut run stand on fewer repetitions."""
     profile = profile or current_profile()
     sizes = spec.sizes_for(profile.name, **overrides)
     owned = target is None
@@ -220,7 +221,7 @@ def _trials(
             order = list(enumerate(conditions))
             for i, condition in order[::-1] if spec.alternate and rep % 2 else order:
                 if ends is not None and time.perf_counter() >= ends:
-                    missing.append(_spent(spec, len(conditions) * repetitions - begun, max_seconds))
+                    missing.append(_spent(spec, len(conditions) * repetitions - begun))
                     return rows, kept, missing
                 begun += 1
                 if i in skipped:
@@ -238,11 +239,13 @@ def _trials(
                     missing.append({"measurement": exc.what, "condition": label, "because": exc.because})
                     bar.update(1)
                     continue
-                except Exception:
+                except Exception as exc:
                     if ends is None or time.perf_counter() < ends:
                         raise
-                    missing.append(_spent(spec, len(conditions) * repetitions - begun + 1, max_seconds))
-                    return rows, kept, missing  # a read the budget cut broke the trial: it is not kept
+                    print(f"{spec.name}: a trial failed as the budget ran out ({type(exc).__name__}: {exc})"[:300])
+                if ends is not None and time.perf_counter() >= ends:  # its reads may have been cut: not kept
+                    missing.append(_spent(spec, len(conditions) * repetitions - begun + 1))
+                    return rows, kept, missing
                 tag = {**condition, "repetition": rep}
                 rows += [{**tag, **row} for row in ([out] if isinstance(out, dict) else out)]
                 for name, more in trial.kept.items():
@@ -260,9 +263,8 @@ def _trials(
     return rows, kept, missing
 
 
-def _spent(spec: Experiment, left: int, max_seconds: float | None) -> dict[str, Any]:
-    return {"measurement": spec.name, "condition": f"the last {left} trials",
-            "because": f"the run's budget of {max_seconds:.3g} s was spent"}  # fmt: skip
+def _spent(spec: Experiment, left: int) -> dict[str, Any]:
+    return {"measurement": spec.name, "condition": f"the last {left} trials", "because": "max_seconds was spent"}
 
 
 @contextlib.contextmanager
