@@ -364,7 +364,8 @@ def test_a_body_that_ends_a_moment_after_its_stream_is_whole_even_without_a_drai
     assert stream.ok and stream.error is None and stream.chunks == 1
 
 
-def test_bytes_past_an_answer_s_end_fail_it_and_never_answer_the_next_request():
+@pytest.mark.parametrize("queued", [False, True], ids=["one-after-another", "queued-for-the-connection"])
+def test_bytes_past_an_answer_s_end_fail_it_and_never_answer_the_next_request(queued):
     """A second, unasked answer sent right behind the first sat in the kept-alive connection, and
     the next request on a shared client read it as its own without reaching the server (a review:
     50 "EVIL" tokens for an 8-token request). Now the first fails, and its connection is closed."""
@@ -377,8 +378,11 @@ def test_bytes_past_an_answer_s_end_fail_it_and_never_answer_the_next_request():
 
     async def twice(url: str) -> list:
         request = Target(url, api="openai").request("hi", 8)
-        async with async_client(url, 1, 10) as client:
-            return [await read(url, request, ReadOptions(timeout=10), client=client) for _ in range(2)]
+        async with async_client(url, 1, 10) as client:  # one connection: the second waits for the first's
+            if not queued:
+                return [await read(url, request, ReadOptions(timeout=10), client=client) for _ in range(2)]
+            return list(await asyncio.gather(*(read(url, request, ReadOptions(timeout=10), client=client)
+                                               for _ in range(2))))  # fmt: skip
 
     with hostile(counted) as url:
         first, second = run_sync(twice(url))

@@ -158,11 +158,17 @@ async def _httpx(client: httpx.AsyncClient, request: Request, options: ReadOptio
     headers = {**request.headers, **({"Content-Type": "application/json"} if body is not None else {})}
     if options.gzip:
         headers["Accept-Encoding"] = "gzip"
-    async with client.stream(request.method, request.path, content=body, headers=headers) as response:
-        try:
-            await _read_httpx(response, result, options)
-        finally:
-            await _refuse_unasked(response, result)
+    answer: list[httpx.Response] = []
+
+    async def trace(event: str, info: dict[str, Any]) -> None:  # httpcore's "trace" extension
+        if event == "http11.response_closed.started" and answer:  # before the pool may lend it again
+            _refuse_unasked(answer[0], result)
+
+    async with client.stream(
+        request.method, request.path, content=body, headers=headers, extensions={"trace": trace}
+    ) as response:
+        answer.append(response)
+        await _read_httpx(response, result, options)
 
 
 async def _read_httpx(response: httpx.Response, result: Stream, options: ReadOptions) -> None:
@@ -199,20 +205,21 @@ async def _read_httpx(response: httpx.Response, result: Stream, options: ReadOpt
         await _leave(result, options, sock, _drain_stream(response))
 
 
-async def _refuse_unasked(response: httpx.Response, result: Stream) -> None:
+def _refuse_unasked(response: httpx.Response, result: Stream) -> None:
     """Bytes the server sent past its answer's end would be read as the next answer on this
     kept-alive connection (a review: a short ``Content-Length`` smuggled a 50-token answer into
-    the next request, which never reached the server). The stream fails and the connection is
-    closed, so that the pool drops it. The bytes wait in the connection's h11 state, reached
-    through httpcore 1.0's private chain (a test fails if it moves)."""
-    connection: Any = response.stream
-    for name in ("_stream", "_httpcore_stream", "_stream", "_connection"):
-        connection = getattr(connection, name, None)
-    state = getattr(connection, "_h11_state", None)
-    if isinstance(state, h11.Connection) and state.their_state in (h11.DONE, h11.IDLE) and state.trailing_data[0]:
+    the next request, which never reached the server). The stream fails, and the connection is
+    marked broken as the response closes, so that httpcore closes it rather than pool it. The
+    bytes wait in the connection's h11 state, reached through httpcore 1.0's private chain (a
+    test fails if it moves)."""
+    state: Any = response.stream
+    for name in ("_stream", "_httpcore_stream", "_stream", "_connection", "_h11_state"):
+        state = getattr(state, name, None)
+    if isinstance(state, h11.Connection) and state.their_state is h11.DONE and state.trailing_data[0]:
         if extra := len(state.trailing_data[0].lstrip(b"\r\n")):  # blank lines: RFC 9112 2.2 says ignore them
             result.error = result.error or f"the server sent {extra:,} bytes past its answer's end, unasked for"
-        await connection.aclose()
+        if state.our_state is h11.DONE:
+            state.send_failed()  # ours in ERROR: httpcore closes the connection instead of pooling it
 
 
 def _socket(response: httpx.Response) -> socket.socket | None:
