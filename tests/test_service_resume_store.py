@@ -346,6 +346,35 @@ def test_a_follower_on_another_server_keeps_the_run_alive_past_the_grace(tiny_gp
 
 
 @needs_redis
+def test_a_draining_server_tells_its_store_followers_and_the_run_goes_on_elsewhere(tiny_gpt2: Any,
+                                                                                 redis_url: str) -> None:
+    """A follower of another server's run, on a server that drains, gets ``error: shutdown``
+    without an id (a review: a bare end of stream), and resumes the run where it runs."""
+    from service_helpers import wait_until
+
+    with lab_server(tiny_gpt2, resume_store=redis_url) as runs:
+        with lab_server(tiny_gpt2, resume_store=redis_url) as other:
+            creator = RawClient(runs.url).post("/v1/stream", {**BODY, "max_new_tokens": 40})
+            start = creator.read_events(2)[0][1]
+            rid = start["request_id"]
+            runs.engine.pause(rid)
+            follower = RawClient(other.url).request("GET", f"/v1/streams/{rid}/events?after=2",
+                                                    headers={"X-Resume-Token": start["resume_token"]}).read_head()
+            wait_until(lambda: other.service.resume._stored, what="the follower")
+            other.drain(TIMEOUT)
+            events = follower.read_to_end()
+            assert events[-1][0] == "error" and events[-1][1]["error"]["type"] == "shutdown", events[-2:]
+            last = bytes(follower.raw).replace(b"\r\n", b"\n").strip().split(b"\n\n")[-1]
+            assert b"event: error" in last and b"id:" not in last  # no id: the log's next event needs it
+            assert not other.service.resume._stored
+        runs.engine.resume(rid)
+        again = RawClient(runs.url).request("GET", f"/v1/streams/{rid}/events?after=2",
+                                            headers={"X-Resume-Token": start["resume_token"]})
+        assert again.read_to_end()[-1][0] == "done"
+        creator.close_fin()
+
+
+@needs_redis
 @pytest.mark.slow
 def test_a_server_killed_mid_run_leaves_a_log_the_next_server_ends_with_a_shutdown_error(
         tiny_gpt2: Any, redis_url: str) -> None:

@@ -53,8 +53,9 @@ import contextlib
 import hmac
 import json
 import secrets
+import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -72,6 +73,7 @@ from labkit.sse import ServerSentEvent
 
 router = APIRouter()
 MAX_FOLLOWERS = 4  # at once, per stream: its creator, a reconnect the server has not yet seen leave, a tab or two
+DRAINING = object()  # what a stored follower reads once its server drains
 CROWDED = f"this stream has {MAX_FOLLOWERS} followers, the most at once"
 
 
@@ -151,6 +153,7 @@ class ResumeRegistry:
         self._held: Counter[str] = Counter()  # logs alive, by client
         self._stored: Counter[str] = Counter()  # followers of logs this process only reads, by id
         self._readers: Counter[str] = Counter()  # the same followers, by client
+        self._draining = asyncio.Event()  # set by the server's drain: stored followers end
 
     def __len__(self) -> int:
         return len(self._logs)
@@ -267,15 +270,16 @@ class ResumeRegistry:
         """Replay and follow a stored log; a store that fails mid-way cuts the stream (the client
         resumes); an error event if more followers came between their checks and here."""
         if why := self._crowded(self._stored[log.rid], client):
-            yield crowded_event(why)
+            yield error_event("queue_full", why)
             return
         self._stored[log.rid] += 1
         self._readers[client] += 1
         try:
             async with contextlib.aclosing(self.store.follow(log, cursor, self.keepalive)) as frames:
-                async for frame in frames:  # closed with this response, so its reader stops with it
-                    yield PING.data if frame is None else wire_bytes(frame, self.pad_bytes)
-        except StoreUnavailable:
+                while (frame := await self._next_unless_draining(frames)) is not DRAINING:
+                    yield PING.data if frame is None else wire_bytes(frame, self.pad_bytes)  # type: ignore[arg-type]
+                yield error_event("shutdown", "this server is shutting down; the run goes on: resume it elsewhere")
+        except (StoreUnavailable, StopAsyncIteration):
             return
         finally:
             for counter, key in ((self._stored, log.rid), (self._readers, client)):
@@ -283,11 +287,35 @@ class ResumeRegistry:
                 if not counter[key]:
                     del counter[key]
 
+    async def _next_unless_draining(self, frames: AsyncGenerator[Frame | None, None]) -> object:
+        """The store's next frame, or :data:`DRAINING` once this server drains: the run goes on
+        where it runs, so the follower is told so (an ``error`` without an id, which the log's
+        next event would need) instead of being cut with its connection (a review)."""
+        if self._draining.is_set():
+            return DRAINING
+        step, drained = asyncio.ensure_future(anext(frames)), asyncio.ensure_future(self._draining.wait())
+        try:
+            await asyncio.wait({step, drained}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drained.cancel()
+            if not step.done():
+                step.cancel()
+                await asyncio.wait({step})  # the reader's own finally runs before its generator is closed
+        return DRAINING if step.cancelled() else step.result()
+
+    async def drain(self, grace: float) -> None:
+        """The server drains: its followers of stored logs end with ``error: shutdown``; wait up
+        to ``grace`` for them to be sent (the connections still open then are cut)."""
+        self._draining.set()
+        deadline = time.monotonic() + grace
+        while self._stored and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
     async def follow(self, log: EventLog, cursor: int) -> AsyncIterator[bytes]:
         """Replay what is after ``cursor``, then follow live until the terminal event; an error
         event if more followers came between their checks and here (the check raced)."""
         if why := self._crowded(log.followers):
-            yield crowded_event(why)
+            yield error_event("queue_full", why)
             return
         self._attach(log)
         try:
@@ -379,9 +407,10 @@ class ResumeRegistry:
         await self.store.aclose()
 
 
-def crowded_event(why: str) -> bytes:
-    """The ``queue_full`` error a follower gets when more came between its check and its start."""
-    return ServerSentEvent(data=json.dumps(error_envelope("queue_full", why)), event="error").encode()
+def error_event(type: str, why: str) -> bytes:
+    """An ``error`` event with no id: more followers came between a check and its start
+    (``queue_full``), or this server drains while the run goes on elsewhere (``shutdown``)."""
+    return ServerSentEvent(data=json.dumps(error_envelope(type, why)), event="error").encode()
 
 
 def to_follow(log: EventLog | StoredLog, cursor: int) -> bool:

@@ -6,6 +6,7 @@ thread; the engine is touched only through its thread-safe side (submit, cancel,
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -88,7 +89,8 @@ class Service:
 
     async def drain(self, grace: float | None = None) -> None:
         """Stop admitting, end open streams with ``error: shutdown``, wait up to ``grace`` (default: drain_grace)."""
-        await self.hub.drain(self.config.drain_grace if grace is None else grace)
+        grace = self.config.drain_grace if grace is None else grace
+        await asyncio.gather(self.hub.drain(grace), self.resume.drain(grace))
 
     async def aclose(self) -> None:
         """After uvicorn stopped serving: stop resume pumps, then the step thread."""
