@@ -1,11 +1,9 @@
 """The lab's one client: httpx for ordinary streams, a raw h11 socket where the socket matters.
 
 Both readers take a :class:`Request` and :class:`~labkit.lab.stream.ReadOptions` and fill one
-:class:`~labkit.lab.stream.Stream`, so a table mixes them freely. The raw reader owns its socket:
-a client that never reads, one that takes N bytes per read, one with a small receive buffer, or
-one that leaves by FIN or RST at an exact moment. Leaving by FIN is ``shutdown(SHUT_WR)`` (the
-client then drains what is in flight so the close stays orderly); leaving by RST arms a zero
-linger and closes.
+:class:`~labkit.lab.stream.Stream`, so a table mixes them freely. The raw reader
+(:mod:`labkit.lab.raw`) owns its socket, for the clients that httpx cannot be: one that never
+reads, reads N bytes at a time, or leaves by FIN or RST at an exact moment.
 
 Bounded against a hostile server: every request has an overall deadline (``timeout``; a trickle
 of one byte a second cannot reset it), every body a size cap, and compression is declined
@@ -28,14 +26,13 @@ import zlib
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import h11
 import httpx
 import numpy as np
 
+from labkit.lab.raw import BASE_HEADERS, JSON_CAP, MIB, hang_up, read_raw
 from labkit.lab.stream import API, EventSplitter, ReadOptions, Stream, json_or_text
-from labkit.machine import linger_zero
 
 # When the run in progress must end (perf_counter), if it has a budget: every read ends by then.
 RUN_ENDS: contextvars.ContextVar[float | None] = contextvars.ContextVar("labkit_run_ends", default=None)
@@ -53,10 +50,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-JSON_CAP = 8 << 20  # bytes of a JSON answer the client reads at most
-MIB = 1 << 20
-HEAD_ROOM = MIB  # bytes of heads (and 1xx answers) the raw reader takes beyond a stream's cap
-BASE_HEADERS = {"Accept-Encoding": "identity", "Accept": "text/event-stream, application/json"}
 
 
 @dataclass(frozen=True)
@@ -108,7 +101,7 @@ async def read(
     try:
         async with contextlib.AsyncExitStack() as stack:
             if raw:
-                work = _raw(url, request, options, result, leave or asyncio.Event(), hold)
+                work = read_raw(url, request, options, result, leave or asyncio.Event(), hold)
             else:
                 if client is None:
                     client = await stack.enter_async_context(async_client(url, 1, options.timeout))
@@ -202,7 +195,7 @@ async def _read_httpx(response: httpx.Response, result: Stream, options: ReadOpt
         if options.pace:
             await asyncio.sleep(options.pace)
     if result.ended is None and sock is not None:
-        await _leave(result, options, sock, _drain_stream(response))
+        await hang_up(result, options, sock, _drain_stream(response))
 
 
 def _refuse_unasked(response: httpx.Response, result: Stream) -> None:
@@ -254,152 +247,6 @@ async def _capped(chunks: Any, cap: int, result: Stream) -> bytes:
             raise httpx.ReadError(f"answer larger than the client's cap of {cap // (1 << 20)} MiB")
         kept += chunk
     return bytes(kept)
-
-
-# --------------------------------------------------------------------------- shared
-
-
-async def _leave(result: Stream, options: ReadOptions, sock: socket.socket, recv: Any) -> None:
-    """FIN by shutting our sending side, then reading what is left until the peer closes; RST by
-    arming a zero linger (the caller's close sends it)."""
-    result.left, result.left_at = options.leave_by, time.perf_counter()
-    if options.leave_by == "rst":
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger_zero())
-    else:
-        with contextlib.suppress(OSError):  # already gone: the server closed first
-            sock.shutdown(socket.SHUT_WR)
-        with contextlib.suppress(Exception):  # a timeout, the peer's RST or close ends the drain
-            await asyncio.wait_for(_drain(recv), options.drain_after_fin_s)
-    result.ended = time.perf_counter()
-
-
-async def _drain(recv: Any) -> None:
-    while await recv():
-        pass
-
-
-# --------------------------------------------------------------------------- raw socket
-
-
-async def _raw(
-    url: str, request: Request, options: ReadOptions, result: Stream, leave: asyncio.Event, hold: asyncio.Event | None
-) -> None:
-    parts = urlsplit(url)
-    if parts.scheme != "http":
-        raise OSError(f"the raw reader speaks plain http only, not {parts.scheme}")
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    loop = asyncio.get_running_loop()
-    info = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    sock = socket.socket(info[0][0], socket.SOCK_STREAM)
-    try:
-        sock.setblocking(False)
-        if options.rcvbuf is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, options.rcvbuf)
-        await loop.sock_connect(sock, info[0][4])
-        result.sent, result.socket = time.perf_counter(), sock
-        conn = h11.Connection(h11.CLIENT)
-        await loop.sock_sendall(sock, _wire(conn, f"{host}:{port}", request))
-        if hold is not None:
-            await asyncio.wait_for(hold.wait(), max(0.0, result.sent + options.bound_s - time.perf_counter()))
-        if options.read:
-            await _read_raw(sock, conn, result, options, leave)
-        else:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(leave.wait(), max(0.0, result.sent + options.bound_s - time.perf_counter()))
-        if result.ended is None:
-            planned = leave.is_set() or result.should_leave(options) or options.bound_s < options.timeout
-            if not planned and result.error is None:
-                result.error = f"no end within the {options.timeout:g} s bound of one request"
-            await _leave(result, options, sock, lambda: loop.sock_recv(sock, 65536))
-    finally:
-        result.socket = None
-        sock.close()
-
-
-def _wire(conn: h11.Connection, host: str, request: Request) -> bytes:
-    payload = b"" if request.body is None else json.dumps(request.body).encode()
-    fields = [("Host", host), ("Connection", "close"), *BASE_HEADERS.items(), *request.headers.items()]
-    if request.body is not None:
-        fields += [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))]
-    wire = conn.send(h11.Request(method=request.method, target=request.path, headers=fields)) or b""
-    if payload:
-        wire += conn.send(h11.Data(data=payload)) or b""
-    return wire + (conn.send(h11.EndOfMessage()) or b"")
-
-
-async def _read_raw(
-    sock: socket.socket, conn: h11.Connection, result: Stream, options: ReadOptions, leave: asyncio.Event
-) -> None:
-    loop, splitter, kept = asyncio.get_running_loop(), EventSplitter(), bytearray()
-    received, most = 0, options.max_bytes + HEAD_ROOM  # every byte counts, heads and 1xx answers too
-    flag = asyncio.ensure_future(leave.wait())
-    try:
-        while not leave.is_set() and not result.should_leave(options):
-            left = result.body_end_by(options) - time.perf_counter()
-            if left <= 0:
-                if result.closed:
-                    result.unended()
-                return
-            recv = asyncio.ensure_future(loop.sock_recv(sock, options.read_bytes))
-            await asyncio.wait({recv, flag}, timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED)
-            if not recv.done():
-                recv.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await recv
-                if result.closed and not leave.is_set():
-                    result.unended()
-                return
-            data = recv.result()
-            received += len(data)
-            if received > most:
-                result.error = f"the answer passed the client's cap of {options.max_bytes:,} bytes"
-                break
-            if options.keep_wire:
-                result.wire += data
-            result.reads += bool(data)
-            conn.receive_data(data)
-            try:
-                complete = _raw_events(conn, result, splitter, kept, options)
-            except h11.RemoteProtocolError:
-                if data or result.headers_at is None:
-                    raise
-                complete = True  # closed mid-body: a cut stream, not a client error
-            if complete or not data or result.error:
-                result.ended = time.perf_counter()
-                break
-            if options.pace:
-                await asyncio.sleep(options.pace)
-    finally:
-        flag.cancel()
-    if result.headers_at is not None and not result.content_type.startswith("text/event-stream"):
-        result.body = json_or_text(bytes(kept))
-
-
-def _raw_events(conn: h11.Connection, result: Stream, splitter: EventSplitter, kept: bytearray, o: ReadOptions) -> bool:
-    now = time.perf_counter()
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            return False
-        if isinstance(event, h11.Response):
-            headers: dict[str, str] = {}
-            for k, v in event.headers:  # a repeated field's values joined, as httpx joins them
-                name, value = k.decode("latin-1").lower(), v.decode("latin-1")
-                headers[name] = f"{headers[name]}, {value}" if name in headers else value
-            result.note_head(event.status_code, headers, now)
-            if result.error:  # a head refused by name (an encoding not asked for, a field sent twice)
-                return True
-        elif isinstance(event, h11.Data):
-            if result.content_type.startswith("text/event-stream"):
-                if not result.take(splitter, bytes(event.data), now, o):
-                    return True
-            elif len(kept) + len(event.data) > JSON_CAP:
-                result.error = f"answer larger than the client's cap of {JSON_CAP >> 20} MiB"
-                return True
-            else:
-                kept += event.data
-        elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
-            return True
 
 
 # --------------------------------------------------------------------------- many at once

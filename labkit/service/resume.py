@@ -52,9 +52,8 @@ import asyncio
 import contextlib
 import hmac
 import json
-import secrets
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated
@@ -66,6 +65,7 @@ from labkit.hub import Hub, Stream
 from labkit.schema import StreamEncoder, as_sent, clip, error_envelope
 from labkit.service import openapi
 from labkit.service.errors import ServiceError
+from labkit.service.event_log import EventLog
 from labkit.service.frames import PING, Frame, frames, wire_bytes
 from labkit.service.responses import sse_response
 from labkit.service.resume_store import MemoryStore, ResumeStore, StoredLog, StoreUnavailable
@@ -75,49 +75,6 @@ router = APIRouter()
 MAX_FOLLOWERS = 4  # at once, per stream: its creator, a reconnect the server has not yet seen leave, a tab or two
 DRAINING = object()  # what a stored follower reads once its server drains
 CROWDED = f"this stream has {MAX_FOLLOWERS} followers, the most at once"
-
-
-class EventLog:
-    """The frames of one stream, ids 1, 2, 3, ...; at most ``capacity`` of the newest kept."""
-
-    def __init__(self, rid: str, capacity: int, client: str) -> None:
-        self.rid, self.client = rid, client
-        self.token = secrets.token_urlsafe(24)  # only the creator is told; resuming requires it
-        self._frames: deque[Frame] = deque(maxlen=capacity)
-        self._changed = asyncio.Event()
-        self.finished = False
-        self.followers = 0
-        self.timer: asyncio.TimerHandle | None = None
-        self.pump: asyncio.Task[None] | None = None
-        self.check: asyncio.Task[None] | None = None  # asking the store whether another server's follower reads it
-        self.expired = False  # nobody came back in time: the run is cancelled and its stored copy deleted
-
-    @property
-    def last_id(self) -> int:
-        return (self._frames[-1].id or 0) if self._frames else 0
-
-    @property
-    def first_id(self) -> int:
-        return (self._frames[0].id or 1) if self._frames else 1
-
-    def append(self, frame: Frame) -> None:
-        self._frames.append(frame)
-        self._notify()
-
-    def finish(self) -> None:
-        self.finished = True
-        self._notify()
-
-    def after(self, cursor: int) -> list[Frame]:
-        return [f for f in self._frames if f.id is not None and f.id > cursor]
-
-    def waiter(self) -> asyncio.Event:
-        """The event the next change will set; take it before reading, then wait on it."""
-        return self._changed
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
 
 
 @dataclass(frozen=True)

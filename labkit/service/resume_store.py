@@ -1,6 +1,6 @@
 """Where a resumable stream's log lives beyond its process: nowhere (``memory``), or Redis Streams.
 
-A resumable run is always logged in its own process first (:class:`~labkit.service.resume.EventLog`,
+A resumable run is always logged in its own process first (:class:`~labkit.service.event_log.EventLog`,
 the copy its live followers read, with no round trip). A store is the second copy, for a client
 that comes back to a server that does not hold the run: the same server after a restart, or
 another one sharing the store. ``ServiceConfig.resume_store`` picks it:
