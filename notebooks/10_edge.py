@@ -201,8 +201,12 @@ print(auth.checked())
 #   of reconnects per hundred milliseconds is at most half the fixed delay's. Falsified in any
 #   repetition above that. (While the old server drains it still answers resumes, from its log.)
 # * **jitter meets fewer refusals**: the connection cap refuses (503 with `Retry-After`) fewer
-#   jittered reconnects. Falsified by as many or more in any repetition (unchecked: how many the
-#   cap refuses depends on how fast the new server answers).
+#   jittered reconnects. Falsified by as many or more in any repetition; unclear where the fixed
+#   delay met no refusal, as then there was nothing to have fewer of. Each client has a connection
+#   of its own, kept alive after its answer as a browser keeps it, so an answered client holds its
+#   slot for the server's `idle_timeout`: how many the cap refuses is set by the cap, the timeout
+#   and the clients' schedule, not by how fast the server answers (unchecked all the same: it is
+#   a count of a race).
 
 # %%
 # NBVAL_IGNORE_OUTPUT

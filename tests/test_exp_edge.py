@@ -114,9 +114,9 @@ def test_a_queued_run_that_was_admitted_before_the_close_is_not_counted_as_queue
 # --------------------------------------------------------------------------- no browser
 
 
-def storm_rows(jitter_peak: int = 12, jitter_503: int = 0, whole: int = 200) -> list[dict[str, Any]]:
+def storm_rows(jitter_peak: int = 12, jitter_503: int = 0, whole: int = 200, fixed_503: int = 150) -> list[dict[str, Any]]:
     common = {"attempts": 2000, "no_server": 1500, "up_s": 10.0, "last_served_s": 3.0, "whole": whole, "replayed": 0}
-    return (reps(1, policy="fixed", peak_per_100ms=140, refused_503=150, **common)
+    return (reps(1, policy="fixed", peak_per_100ms=140, refused_503=fixed_503, **common)
             + reps(1, policy="jitter", peak_per_100ms=jitter_peak, refused_503=jitter_503, **common))
 
 
@@ -125,6 +125,8 @@ def test_the_storm_verdicts_compare_the_policies_and_count_whole_clients():
     assert outcomes(edge.STORM, storm_rows(jitter_peak=90))["jitter flattens the herd"] == "falsified"
     assert outcomes(edge.STORM, storm_rows(jitter_503=150))["jitter meets fewer refusals"] == "falsified"
     assert outcomes(edge.STORM, storm_rows(whole=199))["every client whole"] == "falsified"
+    # a fixed delay the cap never refused leaves nothing for jitter to reduce: no power, not a falsification
+    assert outcomes(edge.STORM, storm_rows(fixed_503=0))["jitter meets fewer refusals"] == "unclear"
 
 
 @pytest.mark.parametrize(("redis", "memory", "broken"), [

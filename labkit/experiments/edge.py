@@ -5,6 +5,7 @@ sync generators and AnyIO's thread pool; :data:`GZIP`, GZipMiddleware in front o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import zlib
@@ -33,7 +34,12 @@ def whole(*streams: Stream) -> bool:
 
 
 async def storm(old: Process, s: Sizes, policy: str, restart: Any) -> tuple[list[dict], list[dict], float]:
-    """Every client opens its stream, ``restart`` runs, and each resumes until answered from the store."""
+    """Every client opens its stream, ``restart`` runs, and each resumes until answered from the store.
+
+    Each client has a connection of its own, kept alive after its answer until the storm ends, as a
+    browser's is: an answered client holds its slot of the cap for the server's ``idle_timeout``, a
+    server setting, so what the cap refuses does not depend on how fast the answers come. (One shared
+    pool let a later client reuse an earlier one's connection: a faster server met no cap at all.)"""
     rng, attempts, first, clock = random.Random(s.seed), [], [Stream() for _ in range(s.clients)], dict[str, float]()
 
     async def client(i: int, http: httpx.AsyncClient) -> dict[str, Any]:
@@ -53,8 +59,9 @@ async def storm(old: Process, s: Sizes, policy: str, restart: Any) -> tuple[list
         ending = [e.event for g in got for e in g.events][-1:]
         return {"whole": whole(*got) and ending == ["error"] and answer.status in (200, 204), "final": answer.status}
 
-    async with async_client(old.url, s.clients + 8, 120.0) as http:
-        tasks = [asyncio.ensure_future(client(i, http)) for i in range(s.clients)]
+    async with contextlib.AsyncExitStack() as stack:
+        https = [await stack.enter_async_context(async_client(old.url, 1, 120.0)) for _ in range(s.clients)]
+        tasks = [asyncio.ensure_future(client(i, http)) for i, http in enumerate(https)]
         while not all(f.events or f.ended for f in first):  # every stream open (or failed) before the restart
             await asyncio.sleep(0.01)
         clock["stop"] = time.perf_counter()
@@ -99,8 +106,10 @@ def storm_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
         judge("jitter flattens the herd", "its peak per 100 ms after the restart is at most half the fixed one's",
               "above half", every(peak.jitter <= peak.fixed / 2),
               f"fixed {seen(fixed.peak_per_100ms)}, jitter {seen(jitter.peak_per_100ms)}", checked=True),
-        judge("jitter meets fewer refusals", f"fewer 503s from the cap of {s.cap}", "as many or more",
-              every(refused.jitter < refused.fixed), f"fixed {seen(fixed.refused_503)}, jitter {seen(jitter.refused_503)}"),
+        judge("jitter meets fewer refusals", f"fewer 503s from the cap of {s.cap}", "as many or more (unclear where "
+              "the fixed delay met no refusal: nothing to have fewer of)",
+              None if (refused.fixed == 0).any() else every(refused.jitter < refused.fixed),
+              f"fixed {seen(fixed.refused_503)}, jitter {seen(jitter.refused_503)}"),
     ]  # fmt: skip
 
 
