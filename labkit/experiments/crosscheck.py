@@ -278,9 +278,5 @@ GUIDELLM = Experiment(
     sizes={"full": {"streams": 32, "tokens": 64, "prompt_tokens": 16, "repetitions": 3, "timeout": 300.0},
            "ci": {"streams": 8, "tokens": 16, "prompt_tokens": 16, "repetitions": 3, "timeout": 120.0}},
     conditions=lambda s, target: [{"tool": tool} for tool in (*TOOLS, AT_ONCE)],
-    prepare=prepare,
-    measure=measure,
-    tables=tables,
-    verdicts=verdicts,
-    alternate=True,
+    prepare=prepare, measure=measure, tables=tables, verdicts=verdicts, alternate=True,
 )  # fmt: skip

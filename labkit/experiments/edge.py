@@ -94,6 +94,20 @@ def measure_storm(trial: Trial) -> dict[str, Any]:
             "replayed": int((c.final == 200).sum())}  # fmt: skip
 
 
+def storm_plots(t: dict[str, pd.DataFrame], s: Sizes) -> list:
+    from labkit.plots import new_figure
+
+    fig, (ax,) = new_figure("edge_storm", width=8.0)
+    for policy, g in t["attempts"][t["attempts"].repetition == 0].groupby("policy"):
+        counts = (g.t * 10).astype(int).value_counts().reindex(range(int(g.t.max() * 10) + 1), fill_value=0)
+        ax.step(counts.index / 10, counts.to_numpy(), where="post", label=f"{policy}: reconnects")
+        ax.axvline(t["rows"].set_index(["policy", "repetition"]).up_s[(policy, 0)], linestyle=":", color="grey")
+    ax.set(xlabel="s since the old server was told to stop (dotted: the new one answers)", ylabel="per 100 ms",
+           title="A reconnect storm")  # fmt: skip
+    ax.legend(fontsize="small")
+    return [fig]
+
+
 def storm_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
     rows = t["rows"]
     by = rows.pivot_table(index="repetition", columns="policy", values=["peak_per_100ms", "refused_503"])
@@ -111,20 +125,6 @@ def storm_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
               None if (refused.fixed == 0).any() else every(refused.jitter < refused.fixed),
               f"fixed {seen(fixed.refused_503)}, jitter {seen(jitter.refused_503)}"),
     ]  # fmt: skip
-
-
-def storm_plots(t: dict[str, pd.DataFrame], s: Sizes) -> list:
-    from labkit.plots import new_figure
-
-    fig, (ax,) = new_figure("edge_storm", width=8.0)
-    for policy, g in t["attempts"][t["attempts"].repetition == 0].groupby("policy"):
-        counts = (g.t * 10).astype(int).value_counts().reindex(range(int(g.t.max() * 10) + 1), fill_value=0)
-        ax.step(counts.index / 10, counts.to_numpy(), where="post", label=f"{policy}: reconnects")
-        ax.axvline(t["rows"].set_index(["policy", "repetition"]).up_s[(policy, 0)], linestyle=":", color="grey")
-    ax.set(xlabel="s since the old server was told to stop (dotted: the new one answers)", ylabel="per 100 ms",
-           title="A reconnect storm")  # fmt: skip
-    ax.legend(fontsize="small")
-    return [fig]
 
 
 STORM = Experiment(

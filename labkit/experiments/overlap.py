@@ -109,19 +109,12 @@ def level_plots(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
 
 
 LEVELS = Experiment(
-    name="overlap.levels",
-    title="N streams at once: makespan, tokens/s, first token, gaps, steps",
-    sizes={
-        "full": {"levels": (1, 2, 4, 8, 16, 32), "tokens": 64, "repetitions": 6},
-        "ci": {"levels": (1, 2, 8, 32), "tokens": 16, "repetitions": 3},
-    },  # fmt: skip
-    conditions=lambda s, target: [{"level": n} for n in s.levels],
-    server=lambda s, c: {"max_batch": max(s.levels)},
-    measure=measure_level,
-    tables=level_tables,
-    verdicts=level_verdicts,
-    plots=level_plots,
-)
+    name="overlap.levels", title="N streams at once: makespan, tokens/s, first token, gaps, steps",
+    sizes={"full": {"levels": (1, 2, 4, 8, 16, 32), "tokens": 64, "repetitions": 6},
+           "ci": {"levels": (1, 2, 8, 32), "tokens": 16, "repetitions": 3}},
+    conditions=lambda s, target: [{"level": n} for n in s.levels], server=lambda s, c: {"max_batch": max(s.levels)},
+    measure=measure_level, tables=level_tables, verdicts=level_verdicts, plots=level_plots,
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- joiners

@@ -72,6 +72,22 @@ def step_tables(tables: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataF
     return {"step_cost": cost, "marginal": pd.DataFrame(marginal)}
 
 
+def step_plots(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
+    from labkit.plots import new_figure, with_range
+
+    cost, rows = tables["step_cost"], tables["rows"]
+    fig, (ax,) = new_figure("overlap_step_cost")
+    for mode, color in zip(MODES, ("tab:blue", "tab:orange")):
+        g = cost[cost["mode"] == mode]
+        with_range(ax, g.batch, g, "step_ms", fmt="o-", color=color, label=f"{mode}: median, min–max of rounds")
+        r = rows[rows["mode"] == mode]
+        ax.scatter(r.batch, r.step_ms, s=8, color=color, alpha=0.4)
+    ax.set(xlabel="sequences in the batch", ylabel="ms per decode step", title="Decode-step cost, both modes, one run")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize="small")
+    return [fig]
+
+
 def step_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
     rows = tables["rows"]
     by = rows.pivot_table(index=["repetition", "batch"], columns="mode", values="step_ms").dropna()
@@ -87,22 +103,6 @@ def step_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
               f"the median ratio over the rounds is at least {big / 2:g}", bool(grows.median() < big / 2),
               f"{big} over 1: {grows.median():.2f} (rounds {grows.min():.2f}–{grows.max():.2f})"),
     ]  # fmt: skip
-
-
-def step_plots(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
-    from labkit.plots import new_figure, with_range
-
-    cost, rows = tables["step_cost"], tables["rows"]
-    fig, (ax,) = new_figure("overlap_step_cost")
-    for mode, color in zip(MODES, ("tab:blue", "tab:orange")):
-        g = cost[cost["mode"] == mode]
-        with_range(ax, g.batch, g, "step_ms", fmt="o-", color=color, label=f"{mode}: median, min–max of rounds")
-        r = rows[rows["mode"] == mode]
-        ax.scatter(r.batch, r.step_ms, s=8, color=color, alpha=0.4)
-    ax.set(xlabel="sequences in the batch", ylabel="ms per decode step", title="Decode-step cost, both modes, one run")
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize="small")
-    return [fig]
 
 
 STEP_COST = Experiment(
