@@ -34,8 +34,9 @@
 # it to hold a whole stream.
 #
 # How slow is slow is measured, not assumed. The runs go policy by policy, k = 0 first, and a
-# slow reader takes `slow_fraction` of the rate its policy's k = 0 run just before was written
-# at: one read of the bytes that rate allows, then a pause. It reads until its stream's own end
+# slow reader aims at `slow_fraction` of the rate its policy's k = 0 run just before was written
+# at: one read asking for the bytes that rate allows, then a pause (the socket may hand over
+# fewer). It reads until its stream's own end
 # or its `error` event and never leaves early, so a dropped reader sees the error (a bound on the
 # whole request stops it if something hangs). What it read per read and the rate it achieved are
 # in the tables. The stall timeout is counted in steps of a warm-up's step interval, so a policy
@@ -146,13 +147,16 @@ policies.plot();
 # %% [markdown]
 # Read each policy's rows against its own k = 0 rows, never against another policy's. Under
 # `naive` the healthy streams take as many steps as ever, but the steps are further apart: the
-# step loop waits for the slow readers between them, and the healthy streams' worst gap between
-# tokens shows it. The other policies differ in who carries the slow readers' backlog:
+# step loop waits for the slow readers between them, and the healthy streams' gap p99 shows it
+# (a median and range over the repetitions, shown, not judged). The other policies differ in who carries the slow readers' backlog:
 # `unbounded` keeps it in the queue (its largest queue) and lets the request go as soon as it is
 # generated; `pause` keeps the request, its slot and its blocks, for as long as the reader needs
 # to catch up (the time and steps paused, and `slot_held_s`); `drop` and `pause_then_drop` give
 # the slot back and tell the reader, but only after it has read what was already sent: compare
-# when its request left the engine with when the `error` event reached it.
+# when its request left the engine with when the `error` event reached it. Where the "queues
+# isolate" evidence puts a policy's interval below one, its healthy streams finished sooner
+# beside slow readers than with nobody slow: a reader that reads less costs the shared cores
+# less.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

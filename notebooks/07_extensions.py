@@ -101,12 +101,13 @@ full_batch.verdict_table()
 print(full_batch.checked())
 
 # %% [markdown]
-# Under `pause` the stalled streams hold their slots for as long as the others take, which grows
-# with the others' length; under `pause_then_drop` the hold ends a stall timeout after the pause.
-# The others' steps (`others_steps`) show what they paid: the earlier the slots come back while
-# requests still wait, the fewer steps the others take. A stall timeout that outlasted the others'
-# first wave would give nothing back in time: they would take as many steps as under `pause`.
-# Counted in steps, where that line falls does not move with the engine's speed.
+# Under `pause` the stalled streams hold their slots for as long as the others take; under
+# `pause_then_drop` the hold ends a stall timeout after the pause. The others' steps
+# (`others_steps`, medians of one length of the others' streams, judged by the verdicts above
+# and by nothing else) show what they paid: the earlier the slots come back while requests still
+# wait, the fewer steps the others take. This run has one length and one stall timeout; what a
+# longer one would do is not measured here. The timeout is counted in steps, so a faster or
+# slower engine moves none of these rows.
 
 # %% [markdown]
 # ## 2. Resuming with Last-Event-ID (exercise 4)
@@ -232,11 +233,12 @@ paged.plot();
 
 # %% [markdown]
 # The gather copies every row's context into a padded tensor at every step (`copied_MiB_per_step`
-# grows with context times batch); the kernel reads the blocks where they lie. What the kernel
-# saves in attention is therefore what the copy costs, and the summary table shows how it moves
-# with context and batch in this run. In the whole step the saving is diluted by the matrix
-# products, which do not change; where it is smaller than the step's own spread from one
-# repetition to the next, the step verdict is unclear rather than claiming a direction.
+# grows with context times batch); the kernel reads the blocks where they lie. The copy is not
+# timed on its own: the summary table shows how attention's time moves with context and batch
+# beside the bytes copied, which is where the copy's cost would show. In the whole step the
+# saving is diluted by the matrix products, which do not change. The step verdicts judge
+# batch 32 only; at batch 1 the two steps' ranges can overlap, and the table's batch-1 rows are
+# shown, not judged.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
