@@ -103,10 +103,11 @@ print(full_batch.checked())
 # %% [markdown]
 # Under `pause` the stalled streams hold their slots for as long as the others take; under
 # `pause_then_drop` the hold ends a stall timeout after the pause. The others' steps
-# (`others_steps`, medians of one length of the others' streams, judged by the verdicts above
-# and by nothing else) show what they paid: the earlier the slots come back while requests still
-# wait, the fewer steps the others take. This run has one length and one stall timeout; what a
-# longer one would do is not measured here. The timeout is counted in steps, so a faster or
+# (`others_steps`: shown, not judged; the verdicts above judge the slot-steps held while
+# requests waited) show what they paid: the earlier the slots come back while requests still
+# wait, the fewer steps the others take. This run has one length of the others' streams and
+# stall timeouts that both fall while requests still wait; a timeout that fell after the last
+# of them was admitted is not measured here. The timeout is counted in steps, so a faster or
 # slower engine moves none of these rows.
 
 # %% [markdown]
