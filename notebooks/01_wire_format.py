@@ -53,7 +53,7 @@ target
 #
 # One short stream, then several longer ones at once, each read by the raw reader, which keeps
 # every byte it received. Every stream runs to its token limit (end-of-sequence is ignored where
-# the target allows it), so each capture carries many token events. Each capture's chunked body
+# the target allows it), so each capture but the short one carries many token events. Each capture's chunked body
 # is taken apart and every chunk classed: it holds exactly one whole SSE event (its last byte is
 # the blank line that ends the event), part of one, or several.
 #

@@ -195,7 +195,8 @@ joiners.plot();
 # does both (`first_token="prefill"` or `"step_end"`); the two servers take turns, repetition
 # after repetition, and the table answers the exercise per quantile: step-end over prefill,
 # paired by repetition, with its interval (at the coverage fixed before measuring, which each
-# verdict prints). The prediction, from the engine's design, is that no part improves:
+# verdict prints). The prediction, from the engine's design, is that no part improves by more
+# than a step's bookkeeping, which is small beside a step:
 #
 # * **one pass, one moment: the median**: the interval of step-end over prefill at the median
 #   lies within 0.8–1.25 (a band fixed before measuring; per-prompt prefills would put the median
@@ -223,9 +224,17 @@ print(delivery.checked())
 delivery.plot();
 
 # %% [markdown]
+# The exercise's answer is the table's, quantile by quantile: where a quantile's interval lies
+# wholly above 1, prefill delivery handed that quantile's first token over sooner, by the ratio
+# shown; where the interval holds 1, this run shows no difference there. The verdicts ask the
+# chapter's question at a coarser grain: a ratio inside the band is what one pass for a step's
+# prompts predicts, and per-prompt prefills would have put it far outside.
+
+# %% [markdown]
 # ## 5. What the client in this process costs the numbers above
 #
-# Every measurement above runs the server in a thread of this notebook's own interpreter, beside
+# Every measurement above that has a server (all but the step cost's, which times the engine
+# directly) runs it in a thread of this notebook's own interpreter, beside
 # the client that reads it, and the two share the interpreter's lock and the cores. They share one
 # more thing: the parallel loops' threads. This notebook's main thread loaded the model and ran
 # loops of its own, so the server's step thread is a second OpenMP team in the process, and with
@@ -233,8 +242,9 @@ delivery.plot();
 # process of its own gives its main thread's team up and leaves the step thread the only one
 # (`labkit/engine/threads.py`). The same top level is served here from a thread and from a process
 # of its own, interleaved: the ratio says how far the absolute tokens/s above understate what the
-# server does alone (notebook 09 runs every server in its own process). Ratios within this notebook
-# compare like with like.
+# same server does in a process of its own, still read by this notebook's client on the same
+# cores (notebook 09 runs every server in its own process); the table's first-token columns show
+# what the process costs on the other side. Ratios within this notebook compare like with like.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -259,8 +269,8 @@ share.verdict_table()
 #
 # * **both clients whole**: every request of both ends at its length. Falsified by any failure.
 # * **tokens/s agree** and **inter-token latency agrees**: GuideLLM's median over the lab's lies
-#   within 0.8 to 1.25. Falsified outside it. Where they part, the table says which client read
-#   the server slower.
+#   within 0.8 to 1.25. Falsified outside it. Where they part, the table says in which client's
+#   turns the server ran slower; the next two criteria say whether that was a misreading.
 # * **each client reads the server's own pace**: the two clients share the machine with the
 #   server, so a client that spends more of the cores on itself slows the server it reads, and
 #   then the two clients disagree while each reads truly. The server's step log is the witness

@@ -58,8 +58,10 @@ target
 # ## 1. A client that never reads
 #
 # Event sizes are settings, not measurements: the chapter's smallest (a token event in its
-# format, a few times one of this service's), then larger ones (the scale table lists them), repeated in the order A B C D, A B C D, … One ordinary stream is
-# also read before the floods, to size a real token event, so bytes can be read as tokens.
+# format, larger than one of this service's), then larger ones (the scale table lists them),
+# repeated in the order A B C D, A B C D, … One ordinary stream is also read before the floods,
+# to size a real token event (`token_event_bytes`, kept in every row of the results), so bytes
+# can be read as tokens.
 #
 # * **every flood blocks**: a client that reads nothing makes the server's write block once the
 #   buffers are full. Falsified if any flood ends, or reaches its time limit, without a blocked
@@ -132,8 +134,9 @@ flood.table("beside_chapter")
 # %% [markdown]
 # Read `token_events_held` for what this means to a reader: the path holds that many ordinary
 # token events before a writer waits, far more than any one answer has, while the largest events
-# fill it in far fewer (`events_accepted`). A slow reader of ordinary tokens is felt by the server only after a long
-# while; padded or very large events (notebook 05) make it felt at once.
+# fill it in far fewer (`events_accepted`). A slow reader of ordinary tokens is felt by the
+# server only after a long while; padded or very large events (notebook 05) make it felt within
+# as few events as `events_accepted` shows for the largest size.
 
 # %% [markdown]
 # ## 2. An ordinary stream, left unread, then read

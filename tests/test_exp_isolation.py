@@ -100,7 +100,9 @@ def test_compare_sees_one_bit_and_a_flip():
     nudged = isolation.compare(solo, torch.nextafter(solo, torch.full_like(solo, 9.0)))
     assert nudged["differs"] and 0 < nudged["delta"] < 1e-6 and not nudged["flipped"]
     flipped = isolation.compare(solo, torch.tensor([1.0, 2.4, 2.6, 0.0]))
-    assert flipped["flipped"] and flipped["gap_moved"] == pytest.approx(0.7)
+    assert flipped["flipped"] and flipped["gap_moved"] == pytest.approx(0.7) and not flipped["overtaken"]
+    third = isolation.compare(solo, torch.tensor([1.0, 3.0, 2.5, 3.5]))  # the top two kept their gap
+    assert third["flipped"] and third["overtaken"] and third["gap_moved"] == 0.0
 
 
 def test_the_flip_rate_is_half_the_share_of_pairs_where_the_move_beats_the_margin():

@@ -138,14 +138,15 @@ def prompt_ids(tokenizer: Any, n: int) -> list[list[int]]:
 
 def compare(solo: Any, batched: Any) -> dict[str, Any]:
     """A row's logits (a tensor) against its solo ones: bitwise equal?, the largest |Δ|, the solo
-    top-2 margin, how far the batch moved that gap, and whether the greedy token flipped."""
+    top-2 margin, how far the batch moved that gap, whether the greedy token flipped, and whether
+    a third token overtook both (a flip the top-2 gap's move cannot explain)."""
     import torch
 
     top = solo.topk(2)
     (a, b), moved = top.indices.tolist(), batched[top.indices[0]] - batched[top.indices[1]]
     return {"differs": not torch.equal(solo, batched), "delta": float((solo - batched).abs().max()),
             "margin": float(top.values[0] - top.values[1]), "gap_moved": abs(float(moved - solo[a] + solo[b])),
-            "flipped": int(solo.argmax()) != int(batched.argmax())}  # fmt: skip
+            "flipped": int(solo.argmax()) != int(batched.argmax()), "overtaken": int(batched.argmax()) not in (a, b)}  # fmt: skip
 
 
 def measure_logits(trial: Trial) -> list[dict[str, Any]]:
@@ -221,7 +222,7 @@ def logit_plots(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
                       marker="x" if flipped else ".", label=f"{mode}, {dtype}{': flipped' if flipped else ''}")  # fmt: skip
     right.axline((1e-9, 1e-9), slope=1, color="gray", lw=0.8, ls=":")  # below it, the move beats the margin
     right.set(xscale="log", yscale="log", xlabel="how far the batch moved the top-2 gap (no move: at the left)",
-              ylabel="solo top-2 margin (ties at the bottom)", title="A flip needs the move to beat the margin")  # fmt: skip
+              ylabel="solo top-2 margin (ties at the bottom)", title="Top-2 flips: the move against the margin")  # fmt: skip
     for ax in (left, right):
         ax.legend(fontsize="small")
     return [fig]
