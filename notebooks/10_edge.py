@@ -92,7 +92,8 @@ six.plot();
 # %% [markdown]
 # The step in the HTTP/1.1 line is the queue: streams seven to ten start only when the first six
 # end, and so would every request of the page to that origin, including the app's own API calls.
-# Browsers will not raise the limit; HTTP/2 at the edge, or one stream shared across tabs, lifts it.
+# HTTP/2 at the edge lifts it (the HTTP/2 line); one stream shared across tabs, not measured here,
+# would avoid it too.
 
 # %% [markdown]
 # ## 2. EventSource's own rules
@@ -138,9 +139,9 @@ print(rules.checked())
 
 # %% [markdown]
 # A cut and a normal end look alike to `EventSource`: both are followed by the same fixed delay
-# and a reconnect, so a server that ends a finished stream with a plain end and answers the
-# reconnect with 200 is asked again forever. Only a status other than 200 or a media type other
-# than `text/event-stream` stops it, and it does not tell a deliberate stop (204) from a proxy's
+# and a reconnect, so a server that answered that reconnect with 200 and an event stream would be
+# asked again after every delay (no case here answers so). Of the answers tried, a 204, a 502 and
+# a 200 with JSON each stopped it, and it does not tell a deliberate stop (204) from a proxy's
 # accident (502): after a 502 the page must make a new `EventSource` itself.
 
 # %% [markdown]
@@ -177,8 +178,8 @@ auth.verdict_table()
 print(auth.checked())
 
 # %% [markdown]
-# The server checks the token once, when a request starts, so the expiry ended nothing while the
-# stream ran; it surfaced only when the reader came back. A reader that treats every non-200 as
+# The server checks the token once, when a request starts (`labkit/service/auth.py`). This reader
+# was away when its token expired, so the expiry surfaced only when it came back. A reader that treats every non-200 as
 # the end loses the rest of the answer without a word: refresh before reconnecting.
 
 # %% [markdown]
@@ -195,18 +196,19 @@ print(auth.checked())
 #
 # * **every client whole**: every client ends with every event once, in order, the drain's
 #   `shutdown` error last, and an answer only Redis lets the new server give: 204 (nothing left),
-#   or the events it missed (a client cut before the error; the `replayed` column counts them).
+#   or the events it missed (a client cut before the error; the `replayed` column of the table counts them).
 #   Falsified by any client short of it.
-# * **jitter flattens the herd**: once the new server is up (healthy), the jittered clients' peak
+# * **jitter flattens the herd**: once the new server answers (its first answer to any client,
+#   `up_s`), the jittered clients' peak
 #   of reconnects per hundred milliseconds is at most half the fixed delay's. Falsified in any
 #   repetition above that. (While the old server drains it still answers resumes, from its log.)
 # * **jitter meets fewer refusals**: the connection cap refuses (503 with `Retry-After`) fewer
 #   jittered reconnects. Falsified by as many or more in any repetition; unclear where the fixed
 #   delay met no refusal, as then there was nothing to have fewer of. Each client has a connection
 #   of its own, kept alive after its answer as a browser keeps it, so an answered client holds its
-#   slot for the server's `idle_timeout`: how many the cap refuses is set by the cap, the timeout
-#   and the clients' schedule, not by how fast the server answers (unchecked all the same: it is
-#   a count of a race).
+#   slot for the server's `idle_timeout`: how many the cap refuses is meant to follow from the cap,
+#   the timeout and the clients' schedule rather than from how fast the server answers (neither the
+#   speed nor the timeout is varied here; unchecked all the same: it is a count of a race).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -230,9 +232,10 @@ print(storm.checked())
 storm.plot();
 
 # %% [markdown]
-# With a fixed delay the clients stay in step: every wave while the server is down is all of
-# them, and the first wave that finds the new server meets its cap all at once. Jitter spreads
-# them at the price the table shows in `last_served_s`: the last client comes back later.
+# With a fixed delay the clients stay in step: while the server is down they reconnect in waves
+# (`no_server` counts those attempts), and `refused_503` says how many the new server's cap
+# turned away. Jitter spreads them at the price the table shows in `last_served_s`: when the last
+# client is served.
 
 # %% [markdown]
 # ## 5. A resume log that survives a restart
@@ -242,8 +245,9 @@ storm.plot();
 # store the log died with the process; with Redis (a `redis-server` the experiment starts) the new
 # process replays what the client missed, to the end the run had: `done`, or the drain's
 # `shutdown` error if the restart caught it mid-run (the table says which). Then what the
-# Redis log costs: every event appended the way a resumable run does it, one awaited round trip
-# each (`store_cost`), and its bytes in Redis beside its bytes on the wire.
+# Redis log costs: synthetic token events appended through the store as a resumable run appends
+# them, one awaited round trip each (`store_cost`), and their bytes in Redis beside each event's
+# encoded SSE size.
 #
 # * **Redis: resumed with nothing lost**: the resume gets every event after the client's last id
 #   once, in order, to the run's end. Falsified by any event lost or repeated, or no end.
@@ -252,11 +256,15 @@ storm.plot();
 # %%
 # NBVAL_IGNORE_OUTPUT
 restart = run(edge.RESTART, target)
+restart.scale()
+
+# %%
+# NBVAL_IGNORE_OUTPUT
 restart.table("rows")
 
 # %% [markdown]
 # The log's cost per event, one row per repetition: microseconds per append (median, p90, max of
-# the events appended), and bytes per event in Redis beside the event's own bytes on the wire:
+# the events appended), and bytes per event in Redis beside the event's encoded SSE size:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -305,10 +313,10 @@ print(threads.checked())
 threads.plot();
 
 # %% [markdown]
-# A health check is exactly the sync route that queues: a load balancer that probes it sees its
-# answer held back by the queue (`sync_health_ms` at 40 sync streams) while the event loop still
-# answers the async route, and one whose probe timeout is shorter than that wait takes a working
-# server out of service.
+# A health check written as a plain `def` route is the sync route that queues: its answer waits
+# behind the held threads (`sync_health_ms` at 40 sync streams) while the event loop still answers
+# the async `/healthz`. A load balancer whose probe timeout were shorter than that wait would take
+# a working server out of service (no probe was run here).
 
 # %% [markdown]
 # ## 7. Compression in the app
@@ -340,9 +348,9 @@ print(gzip.checked())
 
 # %% [markdown]
 # The middleware flushes after every message, so compression in the app changes an event's size on
-# the wire (`wire_bytes_per_event`, `events` beside `off`) and holds none back (`bunched`). The
-# bursts notebook 08 showed come from a proxy that buffers (`X-Accel-Buffering` ignored), with or
-# without its gzip.
+# the wire (`wire_bytes_per_event`, `events` beside `off`) and holds none back (`bunched`).
+# Where notebook 08 saw events held back, its verdicts name the proxy's setting that did it; this
+# cell runs no proxy.
 
 # %% [markdown]
 # ## 8. A tab closed behind nginx
@@ -355,8 +363,8 @@ print(gzip.checked())
 # records say how many tokens it made and when it closed the stream and released its blocks,
 # counted from the moment the tab began to close.
 #
-# * **streaming: stopped, off or on**: mid-stream the generation stops early either way, since
-#   nginx's next write to the closed tab fails. Falsified by a run that made every token.
+# * **streaming: stopped, off or on**: mid-stream the generation stops early either way: with the
+#   setting off nginx passes the close on at once, with it on at its next write to the closed tab. Falsified by a run that made every token.
 # * **queued, off: never admitted**: with the setting off nginx passes the close on at once, and
 #   the request is cancelled before its first token. Falsified by any token made.
 # * **queued, on: admitted for no one**: with it on nginx says nothing until it has something to
@@ -377,9 +385,10 @@ close.verdict_table()
 print(close.checked())
 
 # %% [markdown]
-# `proxy_ignore_client_abort` decides only what nginx does while it has nothing to write: a
-# stream that writes every token learns of the close at its next write whatever the setting, but
-# a request that waits in a queue, or a long prefill, is kept alive for no one while it is on.
+# With `proxy_ignore_client_abort` on, nginx passes a close on only when it next writes: a stream
+# that writes every token still stops within a few tokens either way (`closed_after_ms` and the
+# tokens made, off beside on), but a request that waits in the queue is admitted and makes tokens
+# for no one. (A long prefill, not run here, writes nothing either.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT

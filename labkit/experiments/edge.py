@@ -134,7 +134,7 @@ STORM = Experiment(
     conditions=lambda s, target: [{"policy": "fixed"}, {"policy": "jitter"}], measure=measure_storm,
     prepare=lambda target, s: Components.start(redis=Redis), verdicts=storm_verdicts, plots=storm_plots, chapter=TINY,
     tables=lambda t, s: {"storm": spread(t["rows"], "policy", ["attempts", "peak_per_100ms", "refused_503", "no_server",
-                                                                  "up_s", "last_served_s"])},
+                                                                  "up_s", "last_served_s", "replayed"])},
 )  # fmt: skip
 
 
