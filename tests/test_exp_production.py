@@ -169,6 +169,21 @@ def test_the_gate_verdict_needs_every_probe_to_go_its_way() -> None:
     assert verdicts(deadline.GATE, {"rows": rows}) == {"the gate refuses only what would miss": "holds"}
 
 
+@pytest.mark.slow
+def test_each_gate_probe_keeps_the_gates_own_reading_and_a_certain_miss_is_predicted_far_past_its_deadline(
+        tmp_path, monkeypatch, tiny_gpt2) -> None:  # fmt: skip
+    """The row says what the gate predicted and did, so a probe that goes the wrong way names its cause;
+    behind a batch FILL times as long, the prediction is several deadlines away, gate on or off."""
+    from labkit.lab import LocalLab
+
+    monkeypatch.setenv("LABKIT_OUT", str(tmp_path))
+    with LocalLab(tiny_gpt2) as lab:
+        rows = run(deadline.GATE, lab, profile=CI, show=False, repetitions=1).tables["rows"]
+    assert len(rows) == 3 and rows.gate_refused.tolist() == (rows.outcome == "refused").tolist()
+    certain = rows[rows.probe == "certain miss"]
+    assert (certain.predicted_s > deadline.FILL / 2 * certain.solo_s).all(), certain.to_string()
+
+
 def goodput(on: list[float], off: list[float]) -> str:
     rows = [{"gate": gate, "repetition": r, "load": 2.0, "offered": 2.0, "goodput": g / 10, "met": g}
             for gate, gs in ((True, on), (False, off)) for r, g in enumerate(gs)]  # fmt: skip

@@ -96,4 +96,5 @@ def test_a_slower_engine_reaches_the_committed_verdicts(slow_lab, tmp_path, monk
     started = time.monotonic()
     result = run(spec, slow_lab, profile=Profile("ci"), show=False, **overrides)
     assert result.checked() == expected, (f"{notebook}: {spec.name} under a {SLOWER:g}x slower engine "
-                                          f"({time.monotonic() - started:.0f} s)\n{result.verdict_table().to_string()}")
+                                          f"({time.monotonic() - started:.0f} s)\n{result.verdict_table().to_string()}\n"
+                                          f"{result.tables['rows'].to_string()}")

@@ -27,6 +27,11 @@ from labkit.lab.witness import until
 from labkit.prompts import PROMPTS
 
 OUTCOMES = ("met", "missed", "refused", "error")
+#: a certain miss waits behind a full batch of requests this many times as long as itself, so that
+#: the gate's prediction is about (FILL + 1)x its deadline: a step-time estimate off by less than
+#: that cannot admit it. With 4 (5x) a loaded CI run once saw a gate-on probe missed, its cause
+#: unrecorded; each row now keeps the gate's own reading (predicted_s, gate_refused) to tell
+FILL = 8
 
 
 async def cancel(tasks: list[Any]) -> None:
@@ -67,10 +72,10 @@ def outcome(st: Stream, deadline_s: float) -> str:
 def measure_gate(trial: Trial) -> dict[str, Any]:
     target, s, solo, certain = trial.target, trial.sizes, trial.state["solo_s"], trial.probe == "certain miss"
 
-    async def probe() -> Stream:  # a certain miss waits behind a full batch of requests FOUR times as long
+    async def probe() -> Stream:  # a certain miss waits behind a full batch of requests FILL times as long
         fill = [Stream(api=target.api) for _ in range(s.max_batch if certain else 0)]
         async with async_client(target.url, s.max_batch + 1) as client:
-            tasks = [asyncio.ensure_future(target.stream(target.request(PROMPTS[i], 4 * s.tokens), client=client,
+            tasks = [asyncio.ensure_future(target.stream(target.request(PROMPTS[i], FILL * s.tokens), client=client,
                                                          result=f)) for i, f in enumerate(fill)]  # fmt: skip
             try:
                 await until(lambda: all(f.tokens or f.ended for f in fill), timeout=120, what="every slot filled")
@@ -80,7 +85,9 @@ def measure_gate(trial: Trial) -> dict[str, Any]:
 
     st = run_sync(probe())
     target.wait_idle()
-    return {"outcome": outcome(st, solo * (1 if certain else s.ample_factor)), "seconds": st.duration, "solo_s": solo}
+    reading = target.deadline_readings()[-1]  # the probe's: the fill carries no deadline
+    return {"outcome": outcome(st, solo * (1 if certain else s.ample_factor)), "seconds": st.duration, "solo_s": solo,
+            "predicted_s": reading["predicted_s"], "gate_refused": reading["refused"]}  # fmt: skip
 
 
 def gate_verdicts(t: dict[str, pd.DataFrame], s: Any) -> list:
@@ -99,7 +106,7 @@ GATE = Experiment(
            for p, b, n in (("full", 8, 16), ("ci", 4, 48))},
     conditions=lambda s, target: [{"probe": "certain miss", "gate": True}, {"probe": "certain miss", "gate": False},
                                   {"probe": "ample room", "gate": True}],
-    server=gate_server, prepare=calibrate, measure=measure_gate, verdicts=gate_verdicts, needs=("settings",),
+    server=gate_server, prepare=calibrate, measure=measure_gate, verdicts=gate_verdicts, needs=("settings", "lab"),
 )  # fmt: skip
 
 

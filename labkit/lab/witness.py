@@ -80,6 +80,11 @@ class Books:
         self.need("stats", what="the server's counters")
         return dict(self._get("/stats"))
 
+    def deadline_readings(self) -> list[dict[str, Any]]:
+        """The deadline gate's ledger, oldest first: deadline_s, predicted_s, steps, step_s, refused."""
+        self.need("lab", what="the deadline gate's readings")
+        return list(self._get("/lab/deadline")["readings"])
+
     def current_step(self) -> int:
         self.need("lab", what="the engine's step clock")
         return int(self._get(f"/lab/steps?since={2**62}")["step"])
