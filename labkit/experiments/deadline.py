@@ -30,7 +30,7 @@ OUTCOMES = ("met", "missed", "refused", "error")
 #: a certain miss waits behind a full batch of requests this many times as long as itself, so that
 #: the gate's prediction is about (FILL + 1)x its deadline: a step-time estimate off by less than
 #: that cannot admit it. With 4 (5x) a loaded CI run once saw a gate-on probe missed, its cause
-#: unrecorded; each row now keeps the gate's own reading (predicted_s, gate_refused) to tell
+#: unrecorded; each row now keeps the gate's own reading (predicted_s, gate_refused) to say why
 FILL = 8
 
 
@@ -83,9 +83,11 @@ def measure_gate(trial: Trial) -> dict[str, Any]:
             finally:
                 await cancel(tasks)
 
+    before = {tuple(r.items()) for r in target.deadline_readings()}
     st = run_sync(probe())
     target.wait_idle()
-    reading = target.deadline_readings()[-1]  # the probe's: the fill carries no deadline
+    new = [r for r in target.deadline_readings() if tuple(r.items()) not in before]  # the fill carries no deadline
+    reading = new[0] if len(new) == 1 else {"predicted_s": None, "refused": None}  # none: it never reached the gate
     return {"outcome": outcome(st, solo * (1 if certain else s.ample_factor)), "seconds": st.duration, "solo_s": solo,
             "predicted_s": reading["predicted_s"], "gate_refused": reading["refused"]}  # fmt: skip
 
