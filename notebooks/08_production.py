@@ -57,10 +57,11 @@ target
 # `text/event-stream`, and one location that speaks HTTP/1.1 (chunked) to the upstream instead of
 # nginx's default HTTP/1.0. The same request goes through every location at once, and once
 # straight to the target, as a reference. A token's *lag* through one setting is how many more
-# tokens had arrived through the fastest setting by then (less the setting's start offset, a step
-# or two if its request was admitted later): a hold-back counted in tokens, not in seconds, and
-# measured against the other settings, so a stall of nginx or of this client, which delays every
-# setting alike, does not count as one.
+# tokens had arrived through the fastest setting by then, less the setting's start offset (a few
+# steps if its request was admitted later, read from the tokens that arrive while the fastest
+# setting still streams): a hold-back counted in tokens, not in seconds, and measured against the
+# other settings, so a stall of nginx or of this client lags every setting alike, and a median
+# counts it only where it covers half the stream.
 #
 # Hypotheses, with what would falsify each, fixed before measuring:
 #

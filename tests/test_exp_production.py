@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 from target_helpers import REPO, labkit_serve_process
@@ -63,6 +64,21 @@ def test_the_proxy_holds_where_it_buffers_and_not_elsewhere() -> None:
     assert chunked["nginx holds events back only where it buffers"] == "falsified"
     assert verdicts(production.PROXY, proxy_rows({}))["nginx holds events back only where it buffers"] == "falsified"
     assert verdicts(production.PROXY, proxy_rows(held, whole=False))["every stream whole through nginx"] == "falsified"
+
+
+def test_a_tokens_lag_counts_a_hold_back_not_a_late_start_and_a_stall_lags_every_setting_alike() -> None:
+    n, fast = 256, [float(i) for i in range(256)]
+    late = [i + 16.0 for i in range(n)]  # admitted 16 steps later: its last 16 tokens come after the clock's end
+    held = [float((i // 32 + 1) * 32) for i in range(n)]  # buffered: 32 tokens at a time
+    stalled = [max(float(i), 100.0) if i < 120 else float(i) for i in range(n)]  # everything waits at 100
+    clock = np.min([fast, late, held], axis=0)
+    assert production.token_lags(clock, fast) == production.token_lags(clock, late) == [0] * n
+    assert np.median(production.token_lags(clock, held)) >= 8 and max(production.token_lags(clock, held)) == 31
+    alike = np.min([stalled, [t + 16.0 for t in stalled]], axis=0)
+    assert production.token_lags(alike, [t + 16.0 for t in stalled]) == production.token_lags(alike, stalled)
+    assert np.median(production.token_lags(alike, stalled)) == 0
+    everything_at_the_end = [float(n)] * n
+    assert np.median(production.token_lags(np.min([fast, everything_at_the_end], axis=0), everything_at_the_end)) >= 8
 
 
 def keepalive(on: list[tuple[bool, float | None]], off: list[bool]) -> str:

@@ -2,8 +2,8 @@
 
 :data:`PROXY` reads one request through nginx in eight settings at once (and directly, for the figure): a
 token's *lag* through one setting is how many more tokens had come through the fastest setting by then,
-less its start offset, so a hold-back is counted in tokens and a stall of nginx or of the client, which
-delays every setting alike, adds none. :data:`KEEPALIVE` queues a stream behind others so nginx's
+less its start offset (:func:`token_lags`), so a hold-back is counted in tokens and a stall of nginx or
+of the client lags every setting alike. :data:`KEEPALIVE` queues a stream behind others so nginx's
 ``proxy_read_timeout`` sees it quiet; :data:`BROWSER` drives headless Chromium on labkit's demo page;
 :data:`DRAIN` sends SIGTERM to a ``labkit serve`` process; :data:`WATCH` scrapes ``/metrics`` in waves.
 """
@@ -50,6 +50,19 @@ async def gather(*reads: Any) -> list[Any]:
 # --------------------------------------------------------------------------- nginx in front
 
 
+def token_lags(clock: np.ndarray, times: list[float]) -> list[int]:
+    """Each token's lag: how many more tokens the clock had counted by its arrival, less the setting's
+    start offset. A token that arrives after the clock's last entry is counted against a clock that has
+    stopped (a lower bound), so the offset is the fewest ahead among the tokens the clock can still
+    count: a setting admitted k steps late would otherwise see its last k tokens at 0 and every other
+    token lag by k."""
+    seen = np.searchsorted(clock, np.asarray(times, dtype=float), side="right")
+    ahead = seen - np.arange(1, len(seen) + 1)  # a burst read at once counts every token in it as arrived
+    counted = seen < len(clock)
+    offset = int(ahead[counted].min()) if counted.any() else 0
+    return [max(int(a) - offset, 0) for a in ahead]
+
+
 def measure_proxy(trial: Trial) -> list[Row]:
     target, s, nginx = trial.target, trial.sizes, trial.state
     request, options = target.request(PROMPTS[0], s.tokens), ReadOptions(timeout=s.timeout)
@@ -58,8 +71,7 @@ def measure_proxy(trial: Trial) -> list[Row]:
     n = min(len(st.token_times) for st in proxied)  # the clock: each token's first arrival through any setting
     rows, clock = [], np.min([st.token_times[:n] for st in proxied], axis=0) if n else np.zeros(0)
     for route, st in zip(ROUTES, proxied):
-        ahead = [int(np.searchsorted(clock, t, side="right")) - i - 1 for i, t in enumerate(st.token_times[:n])] or [-1]
-        lags = [a - min(ahead) for a in ahead]  # less the route's start offset (admitted a few steps later)
+        lags = token_lags(clock, st.token_times[:n]) or [-1]
         burst = max(Counter(st.token_times).values(), default=0)  # tokens that arrived in one read
         rows.append({"route": route, "whole": st.ok and direct.ok and st.tokens == direct.tokens == s.tokens,
                      "encoding": st.headers.get("content-encoding", "identity"), "median_lag": float(np.median(lags)),
