@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from labkit.experiments import overlap
+from labkit.experiments import overlap, step_cost
 
 SIZES = overlap.LEVELS.sizes_for("ci")
 TOP = max(SIZES.levels)
@@ -61,3 +61,31 @@ def test_first_tokens_of_one_pass_are_the_same_either_way_and_a_real_difference_
     assert [_delivery([1.0, 1.05, 0.97, 1.02, 1.1, 0.95])[n] for n in names] == ["holds", "holds"]
     assert [_delivery([2.0, 1.9, 2.2, 2.1, 1.8, 2.05])[n] for n in names] == ["falsified", "falsified"]
     assert [_delivery([1.0, 1.5, 0.9, 1.4, 1.1, 1.3])[n] for n in names] == ["unclear", "unclear"]
+
+
+def _step_cost(invariant_over_plain: list[float], largest_over_one: float = 4.0) -> dict[str, str]:
+    """One row per round, batch and mode: the plain step 10 ms at batch 1, growing with the batch
+    so that the largest batch's step is ``largest_over_one`` times batch 1's; the invariant step is
+    the round's ratio times the plain one."""
+    s = overlap.STEP_COST.sizes_for("ci")
+    big = max(s.batches)
+    rows = []
+    for rep, ratio in enumerate(invariant_over_plain):
+        for b in s.batches:
+            plain = 10.0 * (1 + (largest_over_one - 1) * (b - 1) / (big - 1))
+            rows += [{"repetition": rep, "batch": b, "mode": "plain", "step_ms": plain},
+                     {"repetition": rep, "batch": b, "mode": "invariant", "step_ms": plain * ratio}]  # fmt: skip
+    return {v.name: v.outcome for v in overlap.STEP_COST.verdicts({"rows": pd.DataFrame(rows)}, s)}
+
+
+def test_the_step_costs_are_judged_by_the_interval_of_their_round_by_round_ratios():
+    """Every round under the bar holds; every round over it is falsified; rounds on both sides, or
+    too few rounds for an interval, are unclear, however the median falls."""
+    bar = step_cost.BAR
+    assert _step_cost([1.05] * 6)["invariant costs no more"] == "holds"
+    assert _step_cost([bar + 0.1] * 6)["invariant costs no more"] == "falsified"
+    assert _step_cost([1.05, 1.10, 1.12, 1.12, 1.2, 1.3])["invariant costs no more"] == "unclear"
+    assert _step_cost([1.05] * 3)["invariant costs no more"] == "unclear"
+    big = max(overlap.STEP_COST.sizes_for("ci").batches)
+    assert _step_cost([1.0] * 6, largest_over_one=big / 4)["a step for many is cheap"] == "holds"
+    assert _step_cost([1.0] * 6, largest_over_one=big)["a step for many is cheap"] == "falsified"
