@@ -122,8 +122,9 @@ levels.plot();
 #
 # * **invariant costs no more**: the invariant step costs at most a bar fixed before measuring
 #   times the plain one at every batch (the verdict table states the bar). Each round gives a
-#   ratio per batch, both modes timed in it; falsified if at any batch the 95% interval of the
-#   ratios lies above the bar, unclear if at any batch it straddles the bar.
+#   ratio per batch, both modes timed in it; falsified if at any batch the interval of the ratios
+#   (at the coverage fixed before measuring, which the verdict prints) lies above the bar, unclear
+#   if at any batch it straddles the bar.
 # * **a step for many is cheap**: a step of the largest batch costs less than half as many times
 #   a step of one as it has sequences (invariant mode). Judged the same way, by the interval of
 #   the round-by-round ratio. Both are timings, so neither is checked by CI: the table is the

@@ -11,7 +11,7 @@ import pytest
 
 from labkit.lab import Experiment, NotMeasurable, Sizes, Target, every, interval, judge, load, run, seen, tell
 from labkit.lab.profiles import Profile
-from labkit.lab.verdict import checked_lines
+from labkit.lab.verdict import checked_lines, worst
 
 PROFILE = Profile("ci")
 
@@ -183,6 +183,11 @@ def test_every_holds_only_for_rows_that_exist_and_seen_quotes_distinct_values():
     assert every(pd.Series([True, False])) is False
     assert every(pd.Series([], dtype=bool)) is None and every(pd.Series([float("nan")])) is None  # nothing proves nothing
     assert seen(pd.Series([3, 1, 3, None])) == [1.0, 3.0] and seen(pd.Series(["b", "a"])) == ["a", "b"]
+
+
+def test_several_decisions_are_as_bad_as_the_worst_falsified_before_unclear():
+    assert worst([True, True]) is True and worst(d for d in (True, None)) is None
+    assert worst([None, False, True]) is False and worst([]) is None  # nothing proves nothing
 
 
 def test_a_run_with_a_budget_keeps_no_trial_that_ended_after_it_and_says_which_it_left():

@@ -43,7 +43,7 @@ from labkit.experiments.lineup import (
     sweep,
 )
 from labkit.lab import Experiment, Sizes, Target, Trial
-from labkit.lab.verdict import interval, judge, span, spread, tell
+from labkit.lab.verdict import interval, judge, span, spread, tell, worst
 from labkit.prompts import cycle
 
 __all__ = [  # the lineup's names too: the notebook and the tests reach the servers through this module
@@ -190,8 +190,7 @@ def ratio(rows: pd.DataFrame, a: str, b: str, column: str, level: int, null: flo
 
 
 def both(*told: tuple) -> tuple:
-    outcomes = [d for d, _ in told]
-    return False if False in outcomes else None if None in outcomes else True, "; ".join(e for _, e in told)
+    return worst(d for d, _ in told), "; ".join(e for _, e in told)
 
 
 def load_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:

@@ -51,11 +51,8 @@ async def gather(*reads: Any) -> list[Any]:
 
 
 def token_lags(clock: np.ndarray, times: list[float]) -> list[int]:
-    """Each token's lag: how many more tokens the clock had counted by its arrival, less the setting's
-    start offset. A token that arrives after the clock's last entry is counted against a clock that has
-    stopped (a lower bound), so the offset is the fewest ahead among the tokens the clock can still
-    count: a setting admitted k steps late would otherwise see its last k tokens at 0 and every other
-    token lag by k."""
+    """How many more tokens the clock had counted by each token's arrival, less the start offset: the fewest
+    ahead before the clock's end (past it the count stops, and a late start would read as a lag)."""
     seen = np.searchsorted(clock, np.asarray(times, dtype=float), side="right")
     ahead = seen - np.arange(1, len(seen) + 1)  # a burst read at once counts every token in it as arrived
     counted = seen < len(clock)
@@ -384,9 +381,8 @@ def measure_watch(trial: Trial) -> Row:
 
 
 async def waves(target: Any, s: Any, scrape: Any) -> list[Stream]:
-    """Wave after wave of ``per_wave`` streams, ``/metrics`` scraped every ``scrape_every_s`` beside them;
-    a wave is also scraped once ``max_batch`` of its streams have ``mark_tokens`` tokens (the batch full,
-    the rest queued), and the next is sent once all of it has begun: moments counted in tokens."""
+    """Waves of ``per_wave`` streams, ``/metrics`` scraped on a timer and once ``max_batch`` of a wave have
+    ``mark_tokens`` tokens (the rest queued); the next wave goes once all of it has begun: moments in tokens."""
     streams: list[Stream] = []
 
     async def every() -> None:

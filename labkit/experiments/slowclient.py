@@ -27,6 +27,7 @@ from labkit.experiments import published
 from labkit.hub import POLICIES as HUB_POLICIES
 from labkit.lab import Experiment, ReadOptions, Sizes, Stream, Target, Trial, interval, judge, span, spread, tell
 from labkit.lab.client import percentile as pct
+from labkit.lab.verdict import worst
 from labkit.prompts import cycle as prompts
 
 OWN = "the server's own"
@@ -156,10 +157,9 @@ def verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
                          f"interval of healthy completion (k > 0 over the same repetition's k = 0) lies below {DELAYS}",
                          told["naive"][0], f"ratio {told.pop('naive')[1]}"))  # fmt: skip
     if told:
-        outcomes = [d for d, _ in told.values()]
         out.append(judge("queues isolate the healthy", "with a queue per stream slow readers do not delay the healthy "
                          "streams", f"for any other policy, the 95% interval of that ratio lies above {ISOLATES}",
-                         False if False in outcomes else None if None in outcomes else True,
+                         worst(d for d, _ in told.values()),
                          "; ".join(f"{p}: {text}" for p, (_, text) in told.items())))  # fmt: skip
     if "healthy_steps" in rows:
         by = rows.groupby(["policy", "slow"]).healthy_steps.max().unstack()

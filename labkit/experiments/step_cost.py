@@ -16,6 +16,7 @@ import pandas as pd
 
 from labkit.experiments.isolation import MODES
 from labkit.lab import Experiment, Sizes, Target, Trial, interval, judge, spread, tell
+from labkit.lab.verdict import worst
 from labkit.prompts import context_ids
 
 BAR = 1.15  # the invariant step over the plain one, at most, at every batch
@@ -97,14 +98,13 @@ def step_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
     by = rows.pivot_table(index=["batch", "repetition"], columns="mode", values="step_ms").dropna()
     told = {b: tell(interval(g["invariant"].to_numpy(), others=g["plain"].to_numpy()), BAR, "below")
             for b, g in by.groupby(level="batch")}  # fmt: skip
-    decided = [d for d, _ in told.values()]
     big, small = max(s.batches), min(s.batches)
     g = rows[rows["mode"] == "invariant"].pivot_table(index="repetition", columns="batch", values="step_ms").dropna()
     cheap, evidence = tell(interval(g[big].to_numpy(), others=g[small].to_numpy()), big / 2, "below")
     return [
         judge("invariant costs no more", f"the batch-invariant step costs at most {BAR:g}× the plain one at every batch",
               f"at any batch the 95% interval of the invariant/plain ratio, round by round, lies above {BAR:g}",
-              False if False in decided else None if None in decided else True,
+              worst(d for d, _ in told.values()),
               "; ".join(f"batch {b}: {text}" for b, (_, text) in told.items())),
         judge("a step for many is cheap", f"a step of {big} costs less than {big / 2:g}× a step of one (invariant)",
               f"the 95% interval of the ratio, round by round, lies above {big / 2:g}", cheap,

@@ -77,6 +77,13 @@ def every(values: pd.Series | Sequence[bool]) -> bool | None:
     return bool(values.astype(bool).all()) if len(values) else None
 
 
+def worst(decisions: Iterable[bool | None]) -> bool | None:
+    """Several decisions as one: falsified (False) if any is, else unclear (None) if any is or there are
+    none (nothing proves nothing, as with :func:`every`), else holds."""
+    decisions = list(decisions)
+    return False if False in decisions else None if None in decisions or not decisions else True
+
+
 def seen(values: pd.Series) -> list:
     """The distinct values, sorted, as an evidence string quotes them (``[6]``, ``[200, 204]``)."""
     return sorted(set(pd.Series(values).dropna().tolist()))
