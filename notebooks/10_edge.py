@@ -361,7 +361,9 @@ print(gzip.checked())
 # queue (the server's one batch slot held by another stream until labkit hears of the close, or a
 # few seconds have passed), when nothing is being written. Does labkit stop generating? Its stream
 # records say how many tokens it made and when it closed the stream and released its blocks,
-# counted from the moment the tab began to close.
+# counted from the moment the tab began to close. The stream is long enough that what follows the
+# close is far more than the 16 KB (a constant of Chromium's network stack, not a measurement) that
+# Chromium may still read from a cancelled response to reuse its connection.
 #
 # * **streaming: stopped, off or on**: mid-stream the generation stops early either way: with the
 #   setting off nginx passes the close on at once, with it on at its next write to the closed tab. Falsified by a run that made every token.
