@@ -241,11 +241,13 @@ class Hub:
         record = stream.record
         record.closed = time.perf_counter()
         record.tokens_at_close = record.tokens_generated
-        record.steps_at_close = self._thread.steps if self._thread is not None else None
         record.end = stream.taken_terminal or why
         self._ends[record.end] += 1
         self._streams.pop(stream.rid, None)
         self._move(stream, StreamState.CLOSED)
+        # read once the cancel is in the engine's inbox: a step the loop thread spent waiting for the
+        # GIL in between (a few of the tiny model's millisecond steps) is not the engine's delay
+        record.steps_at_close = self._thread.steps if self._thread is not None else None
 
     # -- the one path for state changes and engine commands -----------------------------------
     def _move(self, stream: Stream, to: StreamState) -> None:

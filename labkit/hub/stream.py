@@ -99,7 +99,7 @@ class StreamRecord:
     tokens_generated: int = 0
     tokens_delivered: int = 0  # taken by the writer (what a client that reads everything gets)
     tokens_at_close: int | None = None  # generated when close() ran: the rest was wasted work
-    steps_at_close: int | None = None  # engine steps started when close() ran
+    steps_at_close: int | None = None  # engine steps started once close() had told the engine
     release_step: int | None = None  # the step whose events carried the release
     max_queue: int = 0
     pauses: int = 0
