@@ -247,7 +247,7 @@ delivery.plot();
 # of its own, interleaved: the ratio says how far the absolute tokens/s above understate what the
 # same server does in a process of its own, still read by this notebook's client on the same
 # cores (notebook 09 runs every server in its own process); the table's first-token columns show
-# what the process costs on the other side. Ratios within this notebook compare like with like.
+# the first token under each. Ratios within this notebook compare like with like.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -76,7 +76,7 @@ target
 #   (`tcp_wmem` default): Linux grows it while data waits. Falsified if any flood's bytes on the
 #   server's side (accepted minus what sat in the client) are at most that default.
 # * **bytes, not events**: the buffers hold bytes, so the amount absorbed hardly depends on the
-#   event size. Falsified if the 95-percent interval of the ratio of the largest median to the smallest
+#   event size. Falsified if the interval (at the coverage the verdict prints) of the ratio of the largest median to the smallest
 #   (by event size) lies wholly above 1.5; unclear if it straddles 1.5.
 
 # %%
@@ -153,11 +153,12 @@ flood.table("beside_chapter")
 # * **an unread stream waits whole in the buffers**: a stream of ordinary tokens fits between
 #   the server and a reader that has stopped, so its writer never waits. Falsified if any held
 #   stream's end has not reached the client's buffer within half the request's bound (the
-#   settings), or a held stream, read afterwards, is cut or fails.
+#   scale table's `timeout_s`), or a held stream, read afterwards, is cut or fails.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 unread = run(buffers.UNREAD, target)
+unread.scale()
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -118,7 +118,7 @@ moments.plot();
 #   fixed here, before measuring: a tenth of the server's median step among those that ran the
 #   model (decoded or prefilled) in the moment's waves, because the engine acts on a close only at
 #   a step boundary, so a difference well inside a step changes nothing it does. (Steps that only
-#   apply cancels take a fraction of a millisecond; where no wave of a moment ran the model, as
+#   apply cancels run no model and are not counted; where no wave of a moment ran the model, as
 #   when every client leaves before admission, the moment takes every moment's step.)
 #   Holds when the interval lies inside the margin; falsified when it lies wholly outside;
 #   "unclear" while it crosses an edge. A count of admitted requests is not the criterion: such

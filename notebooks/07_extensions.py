@@ -67,8 +67,8 @@ target
 # others wait for a slot while the stalled streams fill their queues and pause. The stalled
 # clients leave (RST) once every other request is done. From the server's records and step log:
 # the slots the stalled streams held while any request waited for one, summed over the run's
-# steps (slot-steps) and over its milliseconds (slot-seconds), and when each stalled stream was
-# released. The stall timeout is counted in steps, since what it must beat is the others' work:
+# steps (slot-steps) and over its milliseconds (slot-seconds), and how many stalled streams were
+# released before the others were done. The stall timeout is counted in steps, since what it must beat is the others' work:
 # the hub's timer takes seconds, so a full batch's step is timed first and each timeout set to
 # that many steps of it (`stall_timeout_s`). `pause` and `pause_then_drop` at each stall timeout
 # run on servers of their own, taking turns, repetition after repetition.
@@ -108,7 +108,8 @@ print(full_batch.checked())
 # wait, the fewer steps the others take. This run has one length of the others' streams and
 # stall timeouts that both fall while requests still wait; a timeout that fell after the last
 # of them was admitted is not measured here. The timeout is counted in steps, so a faster or
-# slower engine moves none of these rows.
+# slower engine should leave the step counts (`stalled_slot_steps`, `others_steps`) where they
+# are; the seconds columns scale with the step.
 
 # %% [markdown]
 # ## 2. Resuming with Last-Event-ID (exercise 4)

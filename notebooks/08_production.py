@@ -200,8 +200,8 @@ print(browser.checked())
 # %% [markdown]
 # ## 4. Drain on SIGTERM, and a restart
 #
-# `labkit serve` runs as a process of its own (started here beside the in-thread server, with its
-# settings in the scale table): two batch slots, one held by a client that never reads, so its
+# `labkit serve` runs as a process of its own (started here beside the in-thread server, with the
+# scale table's settings and two batch slots): one held by a client that never reads, so its
 # writer blocks and the drain stays open long enough to be seen. Only once the server reports that
 # stream paused (its writes blocked: before that it would take its `shutdown` event at once and the
 # drain would be over before the first probe) are the other streams opened, every other one
@@ -229,7 +229,7 @@ drain = run(production.DRAIN, target)
 drain.scale()
 
 # %% [markdown]
-# Every answer the prober got, counted by status and type over all the drains:
+# Every answer the prober got, counted by status and type over every drain (the scale table's repetitions):
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -304,7 +304,7 @@ print(peers.checked(slow))
 # verdict table. A per-step budget moves labkit along a curve of first token against gaps, a
 # surge budget spends a long step only while few streams are there to stall, and the burst of
 # section 4 shows what a step that prefills a long arrival whole costs the streams already
-# running. The checked lines are the ones a timing cannot move: every stream whole, every step
+# running. The checked lines are the ones a timing cannot move, among them: every stream whole, every step
 # within its budget, the long prompt chunked at the default budget and whole unchunked, labkit
 # stopping for clients that left, every healthy stream whole beside a slow reader. The timings
 # are judged only with their intervals, and only between rounds of one run.

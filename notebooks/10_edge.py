@@ -293,7 +293,7 @@ print(restart.checked())
 # * **otherwise nothing waits**: with fewer sync streams, or with async ones, the sync health
 #   route never waits, and async streams borrow no token. Falsified by any wait or any borrowed.
 # * **the sync route pays**: at 40 sync streams the sync health route takes more than five times
-#   the async one. Falsified if the 95 percent interval of the ratio lies below five (unchecked).
+#   the async one. Falsified if the interval (at the coverage the verdict prints) of the ratio lies below five (unchecked).
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -157,7 +157,7 @@ def goodput_tables(t: dict[str, pd.DataFrame], s: Any) -> dict[str, pd.DataFrame
 def goodput_verdicts(t: dict[str, pd.DataFrame], s: Any) -> list:
     ratios = t["pairs"].ratio
     decided, evidence = tell(interval(ratios.to_numpy()), 1.0, "above")
-    return [judge("the gate raises goodput above the service rate", f"offered {min(s.loads):g} to {max(s.loads):g} "
+    return [judge("the gate raises goodput above the service rate", f"offered a nominal {min(s.loads):g} to {max(s.loads):g} "
                   "times the service rate, more requests meet their deadline per second with the gate than without",
                   "the 95% interval of the paired ratio (gate on over off) lies below 1", decided,
                   f"ratio {evidence}; per pair {', '.join(f'{r:.2f}' for r in ratios)}")]  # fmt: skip

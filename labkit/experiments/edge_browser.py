@@ -107,7 +107,8 @@ def rules_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
     def closes(status: dict[str, str]) -> tuple[bool | None, str]:
         g = rows[rows.case.isin(list(status))]
         ok = (g.requests == 1) & (g.statuses == g.case.map(status)) & g.closed
-        return every(ok) and len(g) == len(status) * s.repetitions, f"requests {seen(g.requests)}, {seen(g.statuses)}"
+        said = f"requests {seen(g.requests)}, {seen(g.statuses)}, closed {seen(g.closed)}"
+        return every(ok) and len(g) == len(status) * s.repetitions, said
 
     return [
         judge("it reconnects and resumes", "after a cut and after the end, each event once, in order", "other than "
@@ -123,7 +124,7 @@ def rules_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
               *closes({GATEWAY: "502", JSON: "200"}), checked=True),
         judge("the resume route's 204 comes first", "a bare 204 for a finished stream's last id", "another status, a "
               "body or a media type", every((cut.resume_status == 204) & (cut.resume_body == 0)
-              & (cut.resume_type.fillna("") == "")), f"statuses {seen(cut.resume_status)}", checked=True),
+              & (cut.resume_type.fillna("") == "")), f"statuses {seen(cut.resume_status.astype('Int64'))}", checked=True),
     ]  # fmt: skip
 
 

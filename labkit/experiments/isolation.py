@@ -94,7 +94,7 @@ def stream_tables(tables: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.Dat
 
 def stream_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
     rows = tables["rows"]
-    invariant, alone = rows[rows["mode"] != "plain"], rows[rows.level == 1]
+    invariant, alone = rows[(rows["mode"] != "plain") & (rows.level > 1)], rows[rows.level == 1]
 
     def differ(g: pd.DataFrame) -> str:
         failed = int(g.failure.notna().sum())

@@ -197,7 +197,7 @@ def joiner_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
     ]
     if "ttft_in_steps" in rows:
         out.append(judge(
-            "a joiner waits about a step", "a joiner's first token is sampled within two of the engine's current "
+            "a joiner waits about a step", "the median joiner's first token is sampled within two of the engine's current "
             "step durations of its arrival (the step in progress, then the step that prefills it)",
             "the median joiner into a running batch waits more than 2 step durations",
             None if busy.ttft_in_steps.dropna().empty else bool(busy.ttft_in_steps.median() <= 2), "median " + ", ".join(

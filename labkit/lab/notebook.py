@@ -37,7 +37,8 @@ def setup(notebook: str, profile_name: str = "", model_name: str = "", *, device
 
     threads = pin_threads(device)
     apply_style()
-    for key, value in (("width", 150), ("max_columns", 30), ("max_colwidth", 100), ("precision", 3)):
+    # wide enough that a verdict's evidence and the widest table (05's slow readers) print whole
+    for key, value in (("width", 150), ("max_columns", 40), ("max_colwidth", 400), ("precision", 3)):
         pd.set_option(f"display.{key}", value)
     for name in ("uvicorn", "uvicorn.access", "uvicorn.error"):
         logging.getLogger(name).setLevel(logging.WARNING)
