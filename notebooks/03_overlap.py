@@ -161,10 +161,10 @@ step_cost.plot();
 # wait is its own prefill; in a running batch the step in progress comes first.
 #
 # * **every joiner answered**: every joiner gets its first token. Falsified by any failure.
-# * **a joiner waits about a step**: the median joiner into a running batch has its first token
-#   sampled within two step durations of its arrival. Falsified above two. Unlike a count of
-#   steps begun, this is in the unit of the batch it joins, so a joiner that waited for a long
-#   prefill of others would show it.
+# * **a joiner waits about a step**: at each running batch (each background), the median joiner
+#   has its first token sampled within two step durations of its arrival. Falsified above two at
+#   any of them. Unlike a count of steps begun, this is in the unit of the batch it joins, so a
+#   joiner that waited for a long prefill of others would show it.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -340,7 +340,10 @@ goodput.scale()
 
 # %% [markdown]
 # Every run (one row each: what it offered, what met its deadline, missed it or was refused), then
-# each repetition's pair on the same arrivals, with the ratio the verdict reads.
+# each repetition's pair on the same arrivals, with the ratio the verdict reads. `ratio` is the
+# requests that met their deadline with the gate over those without, ½ added to each side so that
+# a pair where one side met none stays finite (the two runs of a pair send the same arrivals, so
+# their windows differ only by the client's pacing).
 
 # %%
 # NBVAL_IGNORE_OUTPUT

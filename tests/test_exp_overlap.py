@@ -41,6 +41,19 @@ def test_overlap_in_steps_holds_when_a_step_serves_the_level_and_is_unclear_with
     assert _said(rows.assign(tokens_per_step=float("nan")))["overlap in steps"] == "unclear"
 
 
+def _joiners_waiting(steps_by_background: dict[int, list[float]]) -> str:
+    rows = pd.DataFrame([{"background": b, "repetition": 0, "failed": False, "ttft_in_steps": x, "server_ttft_s": 0.05}
+                         for b, waits in steps_by_background.items() for x in waits])  # fmt: skip
+    return {v.name: v.outcome for v in overlap.joiner_verdicts({"rows": rows}, None)}["a joiner waits about a step"]
+
+
+def test_each_running_batch_is_judged_by_its_own_median_joiner_not_the_pool():
+    assert _joiners_waiting({0: [1.0] * 3, 8: [1.4, 1.5, 1.6], 24: [1.5, 1.6, 1.9]}) == "holds"
+    # pooled, the median joiner waits 1.55 steps; at 24 running it waits 3: falsified
+    assert _joiners_waiting({0: [1.0] * 3, 8: [1.4, 1.5, 1.6, 1.5, 1.5], 24: [3.0, 3.1, 2.9]}) == "falsified"
+    assert _joiners_waiting({0: [1.0] * 3}) == "unclear"  # no joiner into a running batch: no evidence
+
+
 def _delivery(step_end_over_prefill: list[float]) -> dict[str, str]:
     """Six repetitions of both delivery modes; every quantile of step-end's first tokens is the
     repetition's ratio times prefill's."""

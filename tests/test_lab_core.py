@@ -132,7 +132,10 @@ def test_a_saved_result_reads_back_with_the_same_tables_and_verdicts(out):
     toy = spec(lambda t: {"v": t.value}, tables=tables, verdicts=verdicts)
     result = run(toy, target(), profile=PROFILE, show=False)
     record = json.loads((result.folder / "results.json").read_text())
-    assert record["measured"] == ["rows"] and record["environment"]["profile"] == "ci"
+    assert record["measured"] == ["rows", "trial_seconds"] and record["environment"]["profile"] == "ci"
+    # what each trial cost, so that a run's minutes can be traced to the sizes that spend them
+    timed = result.table("trial_seconds")
+    assert len(timed) == len(result.table()) and (timed.seconds >= 0).all() and set(timed.value) == {1, 2, 3}
     assert "git_commit" in record["environment"] and "others_cpu_share" in record["machine"]
     assert record["verdicts"][0]["outcome"] == "holds" and record["sizes"]["values"] == [1, 2, 3]
     back = load(toy, PROFILE, lab=False)  # a target the lab did not start: under data/target-toy/
@@ -182,7 +185,9 @@ def test_every_holds_only_for_rows_that_exist_and_seen_quotes_distinct_values():
     assert every(pd.Series([True, True])) is True and every([1, 1]) is True
     assert every(pd.Series([True, False])) is False
     assert every(pd.Series([], dtype=bool)) is None and every(pd.Series([float("nan")])) is None  # nothing proves nothing
-    assert seen(pd.Series([3, 1, 3, None])) == [1.0, 3.0] and seen(pd.Series(["b", "a"])) == ["a", "b"]
+    assert seen(pd.Series(["b", "a"])) == ["a", "b"] and seen(pd.Series([1.5, 2.0])) == [1.5, 2]
+    # a missing value makes pandas' column float; the evidence still quotes the statuses as ints
+    assert str(seen(pd.Series([204, None, 200, 204]))) == "[200, 204]"
 
 
 def test_several_decisions_are_as_bad_as_the_worst_falsified_before_unclear():

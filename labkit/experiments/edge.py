@@ -263,10 +263,11 @@ def gzip_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
     return [
         judge("default leaves streams alone", "a plain answer compressed, text/event-stream not", "either otherwise",
               every((default.stream_coding == "identity") & (default.plain_coding == "gzip")),
-              f"streams {seen(default.stream_coding)}", checked=True),
+              f"streams {seen(default.stream_coding)}, plain answers {seen(default.plain_coding)}", checked=True),
         judge("gzip per event holds nothing back", "every event arrives as written; events compresses", "a bunched "
               "or missing event", every((rows.bunched == 0) & (rows.events == s.events))
-              and every(events.stream_coding == "gzip"), f"bunched {seen(rows.bunched)}", checked=True),
+              and every(events.stream_coding == "gzip"), f"bunched {seen(rows.bunched)}, events {seen(rows.events)}, "
+              f"events' streams {seen(events.stream_coding)}", checked=True),
     ]  # fmt: skip
 
 

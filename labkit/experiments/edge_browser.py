@@ -124,7 +124,7 @@ def rules_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
               *closes({GATEWAY: "502", JSON: "200"}), checked=True),
         judge("the resume route's 204 comes first", "a bare 204 for a finished stream's last id", "another status, a "
               "body or a media type", every((cut.resume_status == 204) & (cut.resume_body == 0)
-              & (cut.resume_type.fillna("") == "")), f"statuses {seen(cut.resume_status.astype('Int64'))}", checked=True),
+              & (cut.resume_type.fillna("") == "")), f"statuses {seen(cut.resume_status)}", checked=True),
     ]  # fmt: skip
 
 

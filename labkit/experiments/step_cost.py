@@ -116,7 +116,7 @@ STEP_COST = Experiment(
     name="overlap.step_cost",
     title="The decode step against batch size, batch-invariant and plain",
     sizes={
-        "full": {"batches": (1, 2, 4, 8, 16, 32), "context": 64, "steps": 20, "warmup": 2, "repetitions": 6},
+        "full": {"batches": (1, 2, 4, 8, 16, 32), "context": 64, "steps": 10, "warmup": 2, "repetitions": 6},
         "ci": {"batches": (1, 2, 4, 8), "context": 64, "steps": 10, "warmup": 2, "repetitions": 6},
     },  # fmt: skip
     conditions=lambda s, target: [{"batch": b, "mode": m} for b in s.batches for m in MODES],

@@ -233,7 +233,9 @@ def _trials(
                     settings = spec.server(sizes, condition) if target.caps.settings else {}
                     trial = Trial(target.variant(**settings), dict(condition), sizes, rep, state)
                     with collector_paused():
+                        began = time.perf_counter()
                         out = spec.measure(trial)
+                        took = time.perf_counter() - began
                 except NotMeasurable as exc:
                     skipped.add(i)
                     missing.append({"measurement": exc.what, "condition": label, "because": exc.because})
@@ -250,6 +252,7 @@ def _trials(
                 rows += [{**tag, **row} for row in ([out] if isinstance(out, dict) else out)]
                 for name, more in trial.kept.items():
                     kept.setdefault(name, []).extend({**tag, **row} for row in more)
+                kept.setdefault("trial_seconds", []).append({**tag, "seconds": round(took, 3)})  # what a size costs
                 _keep(partial, {"rows": rows, **kept})
                 bar.update(1)
     except BaseException:

@@ -85,8 +85,9 @@ def worst(decisions: Iterable[bool | None]) -> bool | None:
 
 
 def seen(values: pd.Series) -> list:
-    """The distinct values, sorted, as an evidence string quotes them (``[6]``, ``[200, 204]``)."""
-    return sorted(set(pd.Series(values).dropna().tolist()))
+    """The distinct values, sorted, as an evidence string quotes them (``[6]``, ``[200, 204]``): a
+    column that pandas made float for a missing value still quotes its whole numbers as ints."""
+    return sorted({int(v) if isinstance(v, float) and v.is_integer() else v for v in pd.Series(values).dropna()})
 
 
 def verdict_table(verdicts: Iterable[Verdict]) -> pd.DataFrame:
