@@ -294,10 +294,10 @@ def load_plots(t: dict[str, pd.DataFrame], s: Sizes) -> list:
 LOAD = Experiment(
     name="peers.load",
     title="Streams at once on labkit, llama.cpp and transformers serve; labkit's budgets; the engine alone",
-    # six rounds, the fewest whose extremes bound a median at 95% (nine, which drops one round at
-    # each end, cost the notebook five minutes and moved no verdict: each of the 84 six-round
-    # subsets of 10b996f's nine rounds, three pairs each, decided every verdict alike); three
-    # pairs, odd, so that the launch a round keeps is the middle one, as the peers' three solos
+    # nine rounds: the 95% interval of a median of nine leaves out the lowest and the highest round
+    # (of six it keeps both). Six rounds saved four minutes at 1d97abf and cost a verdict: labkit
+    # over transformers serve's tokens/s, about 2.1 against a bar of 2, came out 1.98-2.27 (unclear).
+    # Three pairs, odd, so that the launch a round keeps is the middle one, as the peers' three solos
     sizes={
         "full": {
             "levels": (1, 8, 32),
@@ -305,7 +305,7 @@ LOAD = Experiment(
             "budgets": (16, 64, 256, None),
             "solo": 3,
             "pairs": 3,
-            "repetitions": 6,
+            "repetitions": 9,
         },
         "ci": {"levels": (1, 4), "tokens": 16, "budgets": (16, 64, None), "solo": 1, "pairs": 1, "repetitions": 3},
     },
