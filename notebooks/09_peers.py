@@ -91,11 +91,9 @@ peers.quirks(lineup)
 # The first N prompts at once, each on its own connection, every stream the same length, on
 # labkit at its default budget and on each peer at every level; at the top level also labkit at
 # each other budget of the sweep (section 2); and one stream through the engine alone in this
-# process, no HTTP at all (section 3), taking turns with labkit's one stream run by run. A
-# stream of one is over in a second or two, so at one stream each server (and the engine) runs
-# it a few times and keeps the run of median tokens/s; labkit and the engine take turns
-# (`pairs` in the scale table), and their verdict, which asks about a tenth, takes a ratio per
-# pair and each round's median of them. One run,
+# process, no HTTP at all (section 3), taking turns with labkit's one stream, which goes first
+# changing round by round; their verdict, which asks about a tenth, takes a ratio per pair, the
+# two readings seconds apart. One run,
 # so every comparison below is between rounds of the same run. Hypotheses, fixed before
 # measuring; the first two are checked by CI:
 #
@@ -175,8 +173,8 @@ load.plot();
 # * **throughput: ahead of both**: labkit's aggregate tokens/s over llama.cpp's and over
 #   transformers serve's. Falsified if the first interval lies below 1.2 or the second below two.
 # * **one stream: HTTP costs little**: one stream over HTTP against one stream through the engine
-#   alone, from submit to its last token, a ratio per pair (the two run seconds apart), each
-#   round's median of them. Falsified if the interval lies below 0.9. The ratio to
+#   alone, from submit to its last token, a ratio per pair (the two run seconds apart), a pair a
+#   round. Falsified if the interval lies below 0.9. The ratio to
 #   llama.cpp's one stream is shown beside it. (The engine alone runs on this notebook's main
 #   thread; the server steps on its step thread, and gives its own main thread's OpenMP team up
 #   when the step thread starts, so that one team runs the loops, as here: `labkit/engine/threads.py`.)

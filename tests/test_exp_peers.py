@@ -106,17 +106,6 @@ def test_a_surge_step_is_held_to_the_surge_budget() -> None:
     assert peers.over_budget(steps, 64, surge=1000) == 2 and peers.over_budget(steps, 64, surge=None) == 3
 
 
-def test_one_stream_keeps_the_run_of_median_pace_and_counts_every_runs_streams() -> None:
-    runs = [{"tokens_per_s": 40.0, "streams": 1, "whole": 1, "makespan_s": 1.6},
-            {"tokens_per_s": 31.0, "streams": 1, "whole": 0, "makespan_s": 2.1},  # a hiccup, and it came short
-            {"tokens_per_s": 38.0, "streams": 1, "whole": 1, "makespan_s": 1.7}]  # fmt: skip
-    got = peers._median(runs)
-    assert got["tokens_per_s"] == 38.0 and got["makespan_s"] == 1.7  # one run's readings, never a blend
-    assert (got["streams"], got["whole"]) == (3, 2)  # the short stream still fails "every stream whole"
-    assert peers._median(runs[:2])["tokens_per_s"] == 31.0 and peers._median(runs[:1]) == runs[0]
-    assert peers.LOAD.sizes_for("full").solo >= 3 and peers.LOAD.sizes_for("ci").solo == 1
-
-
 # --------------------------------------------------------------------------- load verdicts
 
 

@@ -29,8 +29,7 @@ from labkit.prompts import PROMPTS
 OUTCOMES = ("met", "missed", "refused", "error")
 #: a certain miss waits behind a full batch of requests this many times as long as itself, so that
 #: the gate's prediction is about (FILL + 1)x its deadline: a step-time estimate off by less than
-#: that cannot admit it. With 4 (5x) a loaded CI run once saw a gate-on probe missed, its cause
-#: unrecorded; each row now keeps the gate's own reading (predicted_s, gate_refused) to say why
+#: that cannot admit it (with 4, i.e. 5x, a loaded CI run once saw a gate-on probe missed)
 FILL = 8
 
 
@@ -71,6 +70,7 @@ def outcome(st: Stream, deadline_s: float) -> str:
 
 def measure_gate(trial: Trial) -> dict[str, Any]:
     target, s, solo, certain = trial.target, trial.sizes, trial.state["solo_s"], trial.probe == "certain miss"
+    deadline_s = solo * (1 if certain else s.ample_factor)
 
     async def probe() -> Stream:  # a certain miss waits behind a full batch of requests FILL times as long
         fill = [Stream(api=target.api) for _ in range(s.max_batch if certain else 0)]
@@ -79,7 +79,7 @@ def measure_gate(trial: Trial) -> dict[str, Any]:
                                                          result=f)) for i, f in enumerate(fill)]  # fmt: skip
             try:
                 await until(lambda: all(f.tokens or f.ended for f in fill), timeout=120, what="every slot filled")
-                return await ask(target, client, s, 0, solo * (1 if certain else s.ample_factor))
+                return await ask(target, client, s, 0, deadline_s)
             finally:
                 await cancel(tasks)
 
@@ -88,7 +88,7 @@ def measure_gate(trial: Trial) -> dict[str, Any]:
     target.wait_idle()
     new = [r for r in target.deadline_readings() if tuple(r.items()) not in before]  # the fill carries no deadline
     reading = new[0] if len(new) == 1 else {"predicted_s": None, "refused": None}  # none: it never reached the gate
-    return {"outcome": outcome(st, solo * (1 if certain else s.ample_factor)), "seconds": st.duration, "solo_s": solo,
+    return {"outcome": outcome(st, deadline_s), "seconds": st.duration, "solo_s": solo,
             "predicted_s": reading["predicted_s"], "gate_refused": reading["refused"]}  # fmt: skip
 
 
@@ -114,7 +114,8 @@ GATE = Experiment(
 
 def measure_goodput(trial: Trial) -> dict[str, Any]:
     """One run at this repetition's load (``loads`` taken in turn); both gates get the same arrivals."""
-    target, s, rate, load = trial.target, trial.sizes, trial.state["service_rate"], load_of(trial)
+    target, s, rate = trial.target, trial.sizes, trial.state["service_rate"]
+    load = float(s.loads[trial.repetition % len(s.loads)])
     deadline, rng = s.deadline_factor * trial.state["solo_s"], random.Random(s.seed + trial.repetition)
     offsets = np.cumsum([rng.expovariate(load * rate) for _ in range(s.requests)])
     if trial.gate:  # the gate predicts from the last deadline_window steps: this moment's, not the last run's
@@ -137,10 +138,6 @@ def measure_goodput(trial: Trial) -> dict[str, Any]:
     counts = Counter(outcome(st, deadline) for st in streams)
     return {"load": load, "offered": len(sent) / window / rate, "goodput": counts["met"] / window / rate,
             "deadline_s": deadline, "service_rate": rate, **{k: counts[k] for k in OUTCOMES}}  # fmt: skip
-
-
-def load_of(trial: Trial) -> float:
-    return float(trial.sizes.loads[trial.repetition % len(trial.sizes.loads)])
 
 
 def goodput_tables(t: dict[str, pd.DataFrame], s: Any) -> dict[str, pd.DataFrame]:

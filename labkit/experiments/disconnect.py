@@ -1,16 +1,13 @@
 """Notebook 06, part one: when the client goes away, how soon does the server let go?
 
-* :data:`MOMENTS`: clients leave by FIN or RST, in pairs side by side, at five moments (waiting
+* :data:`MOMENTS`: pairs of clients, one leaving by FIN and one by RST, at five moments (waiting
   for a slot in a full batch, after the head, after ``early_tokens``, half-way, ``end_margin``
   before the end), against Starlette's response class (it listens for the disconnect) and the
-  write-only one (it never does). From the server's records: the client's close → the hub's close
-  (noticed) → the release, in ms and in engine steps, and the tokens nobody read.
-* :data:`FIN_RST`: many such pairs, each leaving at one point of a step: is a FIN noticed later?
-  The paired differences get a rank test and a 95% interval for their median, judged against a
-  margin of ``margin_steps`` of the server's working step, fixed before measuring.
+  write-only one (it never does): the client's close → the hub's close → the release.
+* :data:`FIN_RST`: many such pairs: is a FIN noticed later? Judged against a margin of
+  ``margin_steps`` of the server's working step, fixed before measuring.
 * :data:`STOP`: any target. Streams read ``hold_tokens``, then all leave: does the server stop
-  generating? Witnessed by the best it offers: its records, ``/stats`` or ``/metrics`` (requests
-  running), its CPU time, else a follow-up request's pace; idle, while the streams run, after.
+  generating? Witnessed by the best it offers (see :func:`witness_of`).
 """
 
 from __future__ import annotations
@@ -22,9 +19,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from labkit.lab import Experiment, ReadOptions, Sizes, Stream, Target, Trial, interval, judge, span, spread
+from labkit.lab import Experiment, ReadOptions, Sizes, Stream, Target, Trial, interval, judge, run_sync, span, spread
 from labkit.lab.client import percentile as pct
-from labkit.lab.client import run_sync
 from labkit.lab.stream import LeaveBy
 from labkit.lab.witness import WaitTimeout, wait_for
 from labkit.prompts import cycle as prompts
@@ -44,7 +40,7 @@ def leave_after(s: Sizes, moment: str) -> int:
 
 
 def server(s: Sizes, c: dict[str, Any]) -> dict[str, Any]:
-    kind = c.get("response_class", "starlette")
+    kind = c.get("response_class", "starlette")  # FIN_RST's conditions name none
     return {"max_batch": s.max_batch, "policy": "unbounded", "kv_cache_mb": 128, "response_class": kind}
 
 
@@ -59,33 +55,32 @@ def class_conditions(s: Sizes, target: Target, key: str = "", values: tuple = ("
 # --------------------------------------------------------------------------- pairs at a moment
 
 
-async def wave(target: Target, s: Sizes, moment: str) -> tuple[list[Stream], list[Any], pd.DataFrame]:
-    """``pairs`` FIN and RST clients (pair i: streams 2i and 2i+1, one prompt) leaving at ``moment``;
-    for ``waiting``, once the batch (its limit read from ``/stats``) is full of blockers, which
-    leave after them. The clients, the server's records of them once released, the step log."""
+async def wave(trial: Trial) -> tuple[list[dict[str, Any]], pd.DataFrame]:
+    """``pairs`` FIN and RST clients (pair i: rows 2i and 2i+1, one prompt) leaving at the trial's
+    moment; for ``waiting``, once the batch (its limit read from ``/stats``) is full of blockers,
+    which leave after them. A :func:`trial_row` per client, with its pair, and the step log."""
+    target, s, moment = trial.target, trial.sizes, trial.moment
     since, n, batch = target.current_step(), leave_after(s, moment), target.stats()["engine"]["max_batch"]
-    flags = [asyncio.Event() for _ in range(batch if moment == "waiting" else 0)]
-    blockers = [asyncio.ensure_future(target.stream(target.request(p, s.blocker_tokens), leave=f))
-                for p, f in zip(prompts(len(flags)), flags)]  # fmt: skip
+    flag = asyncio.Event()
+    blockers = [asyncio.ensure_future(target.stream(target.request(p, s.blocker_tokens), leave=flag))
+                for p in prompts(batch if moment == "waiting" else 0)]  # fmt: skip
     try:
         if blockers:
             full = lambda: target.stats()["running"] >= batch or all(b.done() for b in blockers)  # noqa: E731
             await asyncio.to_thread(wait_for, full, timeout=s.timeout, what="a full batch")
         ways = [ReadOptions(leave_after_tokens=n, leave_by=w, drain_after_fin_s=0.5, timeout=s.timeout) for w in WAYS]
-        texts = prompts(batch + s.pairs)[-s.pairs :]
-        requests = [target.request(p, s.tokens) for p in texts]
+        requests = [target.request(p, s.tokens) for p in prompts(batch + s.pairs)[-s.pairs :]]
         clients = await asyncio.gather(*(target.stream(r, o, raw=True) for r in requests for o in ways))
         records = await asyncio.to_thread(target.released, [c.request_id for c in clients], s.timeout)
     finally:
-        for flag in flags:
-            flag.set()
+        flag.set()
         await asyncio.gather(*blockers, return_exceptions=True)
-    return list(clients), records, target.steps(since).set_index("step")
+    log = target.steps(since).set_index("step")
+    return [{"pair": i // 2, **trial_row(c, r, log)} for i, (c, r) in enumerate(zip(clients, records))], log
 
 
 def trial_row(c: Stream, r: dict[str, Any] | None, log: pd.DataFrame) -> dict[str, Any]:
-    """One client: its close → the hub's close (noticed) → the release, in ms and in steps; the rest
-    of the step in progress at the hub's close and that step's length; tokens read and unread."""
+    """One client's row, off the server's record of it and the step in progress at the hub's close."""
     row: dict[str, Any] = {"leave_by": c.left or "none", "tokens_read": c.tokens, "left": c.left is not None}
     if r is None or c.left_at is None or r["closed"] is None:
         return row
@@ -97,11 +92,6 @@ def trial_row(c: Stream, r: dict[str, Any] | None, log: pd.DataFrame) -> dict[st
             if r["release_step"] is not None and r["release_step"] > at else np.nan,
             "tokens_generated": r["tokens_generated"], "unread": r["tokens_generated"] - c.tokens,
             "ever_admitted": r["first_token_sampled"] is not None, "engine_finish": r["finish_reason"]}  # fmt: skip
-
-
-def measure_moment(trial: Trial) -> list[dict[str, Any]]:
-    clients, records, log = run_sync(wave(trial.target, trial.sizes, trial.moment))
-    return [{"pair": i // 2, **trial_row(c, r, log)} for i, (c, r) in enumerate(zip(clients, records))]
 
 
 def moment_tables(t: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
@@ -153,16 +143,16 @@ def moment_plots(t: dict[str, pd.DataFrame], s: Sizes) -> list:
     return [fig]
 
 
+_MOMENTS_FULL = {"classes": CLASSES, "moments": MOMENTS_, "tokens": 200, "blocker_tokens": 32, "max_batch": 8,
+                 "pairs": 4, "early_tokens": 2, "end_margin": 4, "timeout": 120.0, "repetitions": 1}  # fmt: skip
 MOMENTS = Experiment(
     name="disconnect.moments",
     title="FIN and RST at five moments, Starlette's response against a write-only one: close, notice, release",
-    sizes={"full": {"classes": CLASSES, "moments": MOMENTS_, "tokens": 200, "blocker_tokens": 32, "max_batch": 8,
-                    "pairs": 4, "early_tokens": 2, "end_margin": 4, "timeout": 120.0, "repetitions": 1},
-           "ci": {"classes": CLASSES, "moments": MOMENTS_, "tokens": 200, "blocker_tokens": 200, "max_batch": 4,
-                  "pairs": 2, "early_tokens": 2, "end_margin": 4, "timeout": 60.0, "repetitions": 1}},
+    sizes={"full": _MOMENTS_FULL, "ci": _MOMENTS_FULL | {"blocker_tokens": 200, "max_batch": 4, "pairs": 2,
+                                                          "timeout": 60.0}},
     conditions=lambda s, target: class_conditions(s, target, "moment", s.moments),
     server=server,
-    measure=measure_moment,
+    measure=lambda trial: run_sync(wave(trial))[0],
     tables=moment_tables,
     verdicts=moment_verdicts,
     plots=moment_plots,
@@ -181,35 +171,34 @@ MOMENTS = Experiment(
 
 
 def measure_pairs(trial: Trial) -> list[dict[str, Any]]:
-    clients, records, log = run_sync(wave(trial.target, trial.sizes, trial.moment))
-    rows, step_ms = [trial_row(c, r, log) for c, r in zip(clients, records)], working_step_ms(log)
+    rows, log = run_sync(wave(trial))
+    step_ms = working_step_ms(log)
     return [{"pair": i, "fin_ms": f.get("notice_ms", np.nan), "rst_ms": r.get("notice_ms", np.nan), "step_ms": step_ms,
              "fin_admitted": f.get("ever_admitted"), "rst_admitted": r.get("ever_admitted")}
             for i, (f, r) in enumerate(zip(rows[::2], rows[1::2]))]  # fmt: skip
 
 
 def working_step_ms(log: pd.DataFrame) -> float:
-    """The wave's median step that ran the model (decoded or prefilled), the margin's unit; NaN
-    where none did (every client of a wave that leaves before its first token may go before
-    admission). Steps that only applied cancels take a fraction of a millisecond and would shrink
-    the margin to nothing."""
+    """The wave's median step that ran the model (decoded or prefilled), in ms: the margin's unit.
+    Steps that only applied cancels take a fraction of a millisecond and would shrink it to nothing;
+    NaN where none ran (a wave whose clients all left before admission)."""
     working = log[(log.decoded > 0) | (log.prefilled > 0)]
     return float(1e3 * working.seconds.median()) if len(working) else float("nan")
 
 
 def pair_tables(t: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.DataFrame]:
     """Per moment: FIN minus RST, pair by pair: its median with a 95% interval, Wilcoxon's signed-rank
-    p, how many pairs had the FIN noticed later, and the margin (``margin_steps`` of a step)."""
+    p, how many had the FIN later, and the margin: ``margin_steps`` working steps (else every moment's)."""
     from scipy.stats import wilcoxon
 
     out = []
     rows = t["rows"].assign(diff_ms=lambda r: r.fin_ms - r.rst_ms).dropna(subset=["diff_ms"])
-    every_step = rows.step_ms.median()  # a moment none of whose waves ran the model: every moment's step
+    steps = rows.groupby("moment").step_ms.median().fillna(rows.step_ms.median())
     for moment, g in rows.groupby("moment", sort=False):
         ci, p = interval(g.diff_ms.to_numpy()), float(wilcoxon(g.diff_ms).pvalue) if g.diff_ms.any() else 1.0
         out.append({"moment": moment, "pairs": len(g), "fin_ms": g.fin_ms.median(), "rst_ms": g.rst_ms.median(),
                     "diff_ms": ci.estimate, "ci_low": ci.low, "ci_high": ci.high, "wilcoxon_p": p,
-                    "margin_ms": s.margin_steps * (g.step_ms.median() if g.step_ms.notna().any() else every_step), "fin_later": int((g.diff_ms > 0).sum()),
+                    "margin_ms": s.margin_steps * steps[moment], "fin_later": int((g.diff_ms > 0).sum()),
                     "fin_admitted": int(g.fin_admitted.sum()), "rst_admitted": int(g.rst_admitted.sum())})  # fmt: skip
     return {"fin_rst": pd.DataFrame(out)}
 
@@ -242,15 +231,15 @@ def pair_plots(t: dict[str, pd.DataFrame], s: Sizes) -> list:
     return [fig]
 
 
+_PAIRS_FULL = {"moments": MOMENTS_, "tokens": 48, "blocker_tokens": 64, "max_batch": 16, "pairs": 8,
+               "early_tokens": 2, "end_margin": 4, "margin_steps": 0.1, "timeout": 120.0, "repetitions": 7}  # fmt: skip
 FIN_RST = Experiment(
     name="disconnect.fin_rst",
     title="FIN against RST, side by side in pairs: the paired difference in when the server noticed",
-    sizes={"full": {"moments": MOMENTS_, "tokens": 48, "blocker_tokens": 64, "max_batch": 16, "pairs": 8,
-                    "early_tokens": 2, "end_margin": 4, "margin_steps": 0.1, "timeout": 120.0, "repetitions": 7},
-           "ci": {"moments": MOMENTS_, "tokens": 48, "blocker_tokens": 200, "max_batch": 8, "pairs": 4,
-                  "early_tokens": 2, "end_margin": 4, "margin_steps": 0.1, "timeout": 60.0, "repetitions": 3}},
+    sizes={"full": _PAIRS_FULL, "ci": _PAIRS_FULL | {"blocker_tokens": 200, "max_batch": 8, "pairs": 4, "timeout": 60.0,
+                                                    "repetitions": 3}},
     conditions=lambda s, target: [{"moment": m} for m in s.moments],
-    server=lambda s, c: server(s, {}),
+    server=server,
     measure=measure_pairs,
     tables=pair_tables,
     verdicts=pair_verdicts,
@@ -326,9 +315,8 @@ async def _stop(target: Target, s: Sizes, how: LeaveBy) -> dict[str, Any]:
 
 
 def stop_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
-    """Per class: a listening server stops (kept on below half the rest), a write-only one does
-    not; unclear where the streams did not move the witness, or would have ended within twice its
-    window anyway."""
+    """Per class: a listening server stops, a write-only one does not; unclear where the streams did not
+    move the witness, or would have ended within twice its window anyway."""
     out = []
     for kind, g in t["rows"].groupby("response_class", sort=False):
         usable = g[(g.left_before_end_s > 2 * g.window_s) | (g.witness == "records")].kept_on.dropna()
@@ -342,13 +330,12 @@ def stop_verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
     return out
 
 
+_STOP_FULL = {"classes": CLASSES, "streams": 4, "tokens": 96, "hold_tokens": 8, "window_gaps": 10,
+              "follow_tokens": 12, "max_batch": 8, "timeout": 120.0, "repetitions": 1}  # fmt: skip
 STOP = Experiment(
     name="disconnect.stop",
     title="Streams read a while, then all leave: does the server stop generating? (any target)",
-    sizes={"full": {"classes": CLASSES, "streams": 4, "tokens": 96, "hold_tokens": 8, "window_gaps": 10,
-                    "follow_tokens": 12, "max_batch": 8, "timeout": 120.0, "repetitions": 1},
-           "ci": {"classes": CLASSES, "streams": 4, "tokens": 200, "hold_tokens": 8, "window_gaps": 10,
-                  "follow_tokens": 12, "max_batch": 8, "timeout": 60.0, "repetitions": 2}},
+    sizes={"full": _STOP_FULL, "ci": _STOP_FULL | {"tokens": 200, "timeout": 60.0, "repetitions": 2}},
     conditions=lambda s, target: class_conditions(s, target, "leave_by", WAYS),
     server=server,
     measure=lambda trial: run_sync(_stop(trial.target, trial.sizes, trial.leave_by)),

@@ -1,11 +1,9 @@
 """Notebook 07, extensions: the chapter's reader exercises, measured.
 
-* :data:`FULL_BATCH` (2): a batch filled by clients that stopped reading while others wait;
-  ``pause`` against ``pause_then_drop`` at stall timeouts counted in steps: slots held while
-  requests waited, in steps and seconds, from the server's records and step log.
+* :data:`FULL_BATCH` (2): a batch filled by clients that stopped reading while others wait; ``pause``
+  against ``pause_then_drop`` at stall timeouts counted in steps: slots held while requests waited.
 * :data:`RESUME` (4): leave by RST after N tokens, resume with ``Last-Event-ID``; after the grace, 404.
-* :data:`EAGER` (6): the events the hub held for four stalled readers, formatted eagerly with the
-  service's encoder (with and without the lab's padding) and held lazily, under ``tracemalloc``.
+* :data:`EAGER` (6): the events held for four stalled readers, formatted eagerly (padded or not) and lazily.
 * :data:`SAMPLING` (7): seeded sampled streams at once, again, alone, and against greedy ones.
 * :data:`PAGED` (8): the paged kernel against the gather (:mod:`labkit.bench_attention` times them).
 """
@@ -24,9 +22,8 @@ import numpy as np
 import pandas as pd
 
 from labkit.experiments.isolation import first_difference
-from labkit.lab import Experiment, NotMeasurable, ReadOptions, Request, Sizes, Target, Trial
-from labkit.lab.client import run_sync
-from labkit.lab.verdict import interval, judge, spread, tell
+from labkit.lab import Experiment, NotMeasurable, ReadOptions, Request, Sizes, Target, Trial, run_sync
+from labkit.lab.verdict import every, interval, judge, spread, tell
 from labkit.lab.witness import WaitTimeout, wait_for
 from labkit.prompts import PROMPTS
 
@@ -49,20 +46,17 @@ async def holding(target: Target, requests: list[Request], meanwhile: Callable[[
 # --------------------------------------------------------------------------- a full batch
 
 
-def batch_settings(s: Sizes, policy: str, stall_s: float) -> dict[str, Any]:
-    return {"policy": policy, "stall_timeout": min(stall_s, 60.0), "max_batch": s.batch, "high_water": s.high_water,
-            "pad_bytes": s.pad_bytes, "max_pause": None, **CONNECTION}  # fmt: skip
-
-
 def prepare_full_batch(target: Target, s: Sizes) -> dict[str, Any]:
     """A server per condition. The stall timeouts are counted in steps (the others' work is), and
     the hub's timer takes seconds: a full batch's step is timed here first, on ``pause``'s server."""
-    held = target.variant(**batch_settings(s, "pause", math.inf))
+    same = {"max_batch": s.batch, "high_water": s.high_water, "pad_bytes": s.pad_bytes, "max_pause": None, **CONNECTION}
+    held = target.variant(policy="pause", stall_timeout=60.0, **same)
     held.launch([held.request(p, s.fast_tokens) for p in PROMPTS[: s.batch]])  # a server's first run is slower
     since = held.current_step()
     held.launch([held.request(p, s.fast_tokens) for p in PROMPTS[: s.batch]])
     step_s = float(np.median(np.diff(held.steps(since).started)))
-    servers = {n: target.variant(**batch_settings(s, "pause_then_drop", n * step_s)) for n in s.stall_steps}
+    servers = {n: target.variant(policy="pause_then_drop", stall_timeout=min(n * step_s, 60.0), **same)
+               for n in s.stall_steps}  # fmt: skip
     return {"servers": {math.inf: held, **servers}, "step_s": step_s}
 
 
@@ -74,8 +68,7 @@ def measure_full_batch(trial: Trial) -> dict[str, Any]:
     fast = [target.request(p, s.fast_tokens) for p in PROMPTS[s.slow : s.slow + s.fast]]
 
     def taken() -> bool:
-        st = target.stats()
-        return st["running"] + st["paused"] + st["releases"] - base >= s.slow
+        return sum(map(target.stats().get, ("running", "paused", "releases"))) - base >= s.slow
 
     async def then() -> Any:
         with contextlib.suppress(WaitTimeout):  # at the bound the others go anyway: the verdicts will say
@@ -98,12 +91,10 @@ def measure_full_batch(trial: Trial) -> dict[str, Any]:
 
 
 def held_while_waiting(times: np.ndarray, waits: list[tuple[float, float]], held: list[float]) -> int:
-    """Over ``times`` (a millisecond grid, or the steps' starts): slots held by the stalled
-    streams (each until its release) at moments when some request waited for a slot, summed."""
-    waiting = np.zeros(len(times), bool)
-    for a, b in waits:
-        waiting |= (times >= a) & (times < b)
-    return int(sum(((times < h) & waiting).sum() for h in held))
+    """Over ``times``, slots held by the stalled streams (each until its release) while some request waited."""
+    start, end = np.asarray(waits, float).reshape(-1, 2).T
+    waiting = ((times[:, None] >= start) & (times[:, None] < end)).any(axis=1)
+    return int(((times < np.asarray(held, float)[:, None]) & waiting).sum())
 
 
 def full_batch_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
@@ -130,6 +121,8 @@ def full_batch_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
     return out
 
 
+BATCH_SIZES = {"batch": 4, "slow": 2, "fast": 4, "slow_tokens": 64, "fast_tokens": 96, "high_water": 16,
+               "stall_steps": (8, 32), "pad_bytes": 4096, "repetitions": 6}  # fmt: skip
 FULL_BATCH = Experiment(
     name="extensions.full_batch",
     title="A batch full of clients that stopped reading: pause against pause_then_drop",
@@ -137,10 +130,7 @@ FULL_BATCH = Experiment(
     # engine's); the first others hold their slots for fast_tokens steps, so a drop 8 or 32 steps
     # after the pause comes while the rest still wait: at 64 tokens and one second (37 steps here)
     # it came after, and the design could not show the effect
-    sizes={"full": {"batch": 4, "slow": 2, "fast": 4, "slow_tokens": 64, "fast_tokens": 96, "high_water": 16,
-                    "stall_steps": (8, 32), "pad_bytes": 4096, "repetitions": 6},
-           "ci": {"batch": 4, "slow": 2, "fast": 4, "slow_tokens": 64, "fast_tokens": 300, "high_water": 16,
-                  "stall_steps": (8, 32), "pad_bytes": 4096, "repetitions": 2}},
+    sizes={"full": BATCH_SIZES, "ci": {**BATCH_SIZES, "fast_tokens": 300, "repetitions": 2}},
     conditions=lambda s, target: [{"policy": "pause", "stall_steps": math.inf}]
     + [{"policy": "pause_then_drop", "stall_steps": n} for n in s.stall_steps],
     prepare=prepare_full_batch,
@@ -160,12 +150,11 @@ FULL_BATCH = Experiment(
 
 def measure_resume(trial: Trial) -> dict[str, Any]:
     target, s = trial.target, trial.sizes
-    if trial.come_back == "after the grace" and not target.caps.settings:
-        raise NotMeasurable("coming back after the grace", target.caps.why_not("settings"))
+    if trial.come_back == "after the grace":
+        target.need("settings", what="coming back after the grace")
     whole = target.read(target.request(PROMPTS[0], s.tokens))
     left = target.read(target.request(PROMPTS[0], s.tokens, resumable=True),
                        ReadOptions(leave_after_tokens=trial.leave_after, leave_by="rst"))  # fmt: skip
-    start = next((e.data for e in left.events if e.event == "start"), {})
     if trial.come_back == "after the grace":
         # The grace runs from the last follower's leave, and again from the run's end if it ends within
         # it (a finished log is kept a grace after it finished): so wait for the engine to let the
@@ -173,8 +162,7 @@ def measure_resume(trial: Trial) -> dict[str, Any]:
         if target.caps.lab:
             target.released([left.request_id], timeout=300.0)
         run_sync(asyncio.sleep(1.5 * s.grace_s + 0.5))
-    headers = {**target.headers, "Last-Event-ID": left.last_event_id, "X-Resume-Token": start.get("resume_token", "")}
-    back = target.read(Request(f"/v1/streams/{left.request_id}/events", None, "labkit", "GET", headers))
+    back = target.read(target.resume_request(left))
     ids, last = [int(e.id) for e in back.events if e.id], int(left.last_event_id or 0)
     return {"status": back.status, "tokens_before": len(left.token_ids), "last_id": last, "events_after": len(ids),
             "in_order": ids == list(range(last + 1, last + 1 + len(ids))),
@@ -230,8 +218,7 @@ def measure_eager(trial: Trial) -> list[dict[str, Any]]:
 
 
 def held_bytes(tokens: list[tuple[int, str]], count: int, pad_bytes: int) -> dict[str, int]:
-    """Bytes (``tracemalloc``) held by ``count`` token events, drawn in turn from ``tokens``, formatted
-    by the service's encoder with and without padding, and as the hub holds them."""
+    """Bytes (``tracemalloc``) that ``count`` events cycling through ``tokens`` hold, eager and lazy."""
     from labkit.engine import TokenEvent
     from labkit.schema import StreamEncoder
     from labkit.service.frames import encode_item, wire_bytes
@@ -269,15 +256,14 @@ def eager_tables(tables: dict[str, pd.DataFrame], s: Sizes) -> dict[str, pd.Data
 def eager_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
     t = tables["per_reader"]
     t = t[t.queued > 0]  # a reader that held nothing says nothing about what eager holds
-    held = None if t.empty else True
     return [
         judge("the padding is what eager holds", "formatted eagerly, a queued event's bytes are almost all the lab's "
-              "padding", "the padding is under 99% of the eager bytes for any reader", held
-              and bool((t.padding_share >= 0.99).all()), f"padding share {t.padding_share.min():.4f} at least; "
+              "padding", "the padding is under 99% of the eager bytes for any reader",
+              every(t.padding_share >= 0.99), f"padding share {t.padding_share.min():.4f} at least; "
               f"{int(t.queued.sum())} events held in all", checked=True),
         judge("unpadded, eager is no heavier", "without the padding, an eagerly formatted event holds no more than "
               "the hub's unformatted one", "any reader's eager bytes per event (unpadded) exceed its lazy bytes per "
-              "event", held and bool((t.eager_unpadded_bytes_per_event <= t.lazy_bytes_per_event).all()),
+              "event", every(t.eager_unpadded_bytes_per_event <= t.lazy_bytes_per_event),
               f"{t.eager_unpadded_bytes_per_event.median():.0f} against {t.lazy_bytes_per_event.median():.0f} bytes "
               "per event (median reader)", checked=True),
     ]  # fmt: skip
@@ -286,8 +272,7 @@ def eager_verdicts(tables: dict[str, pd.DataFrame], s: Sizes) -> list:
 EAGER = Experiment(
     name="extensions.eager",
     title="Four clients that stopped reading: what an eager server would hold, measured",
-    sizes={"full": {"readers": 4, "tokens": 64, "pad_bytes": 65536},
-           "ci": {"readers": 4, "tokens": 64, "pad_bytes": 65536}},
+    sizes=dict.fromkeys(("full", "ci"), {"readers": 4, "tokens": 64, "pad_bytes": 65536}),
     server=lambda s, c: {"policy": "unbounded", "pad_bytes": s.pad_bytes, "max_batch": s.readers, **CONNECTION},
     measure=measure_eager,
     tables=eager_tables,

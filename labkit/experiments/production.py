@@ -15,7 +15,6 @@ import json
 import signal
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
@@ -27,6 +26,7 @@ from labkit.lab import Experiment, NotMeasurable, Process, ReadOptions, Request,
 from labkit.lab.client import async_client, read, run_sync
 from labkit.lab.components import Chromium, Nginx, Route
 from labkit.lab.experiment import Row, Tables
+from labkit.lab.verdict import seen
 from labkit.lab.witness import until, wait_for
 from labkit.prompts import PROMPTS
 
@@ -129,26 +129,22 @@ def pings_server(s: Any, c: Row) -> Row:
     return {"max_batch": 1, "keepalive_interval": s.ping_interval_s if c["pings"] == "on" else 3600.0}
 
 
-@dataclass
-class Quiet:
-    """nginx before each server, and how many blockers queued ahead keep a stream quiet long enough."""
+class Quiet(Nginx):
+    """nginx with a short read timeout before each server, and how many blockers queued ahead keep a
+    stream quiet for ``quiet_factor`` read timeouts (from one blocker timed here, the faster of two)."""
 
-    nginx: Nginx
-    blockers: int
-
-    def close(self) -> None:
-        self.nginx.close()
+    def __init__(self, routes: list[Route], blockers: int) -> None:
+        super().__init__(routes)
+        self.blockers = blockers
 
 
 def prepare_keepalive(target: Any, s: Any) -> Quiet:
-    """nginx with a short read timeout before each server, and how many blockers queued ahead keep a
-    stream quiet for ``quiet_factor`` read timeouts (from one blocker timed here, the faster of two)."""
     servers = {p: target.variant(**pings_server(s, {"pings": p})) for p in ("on", "off")}
     took = min(servers["on"].read(servers["on"].request(PROMPTS[1], s.blocker_tokens)).duration for _ in range(2))
     routes = [
         Route(p, t.url, buffering=False, read_timeout=s.read_timeout_s, http_version="1.0") for p, t in servers.items()
     ]
-    return Quiet(Nginx(routes), int(np.ceil(s.quiet_factor * s.read_timeout_s / took)))
+    return Quiet(routes, int(np.ceil(s.quiet_factor * s.read_timeout_s / took)))
 
 
 def measure_keepalive(trial: Trial) -> Row:
@@ -161,7 +157,7 @@ def measure_keepalive(trial: Trial) -> Row:
         try:
             await until(lambda: all(b.status or b.ended for b in blockers), timeout=s.timeout, what="the blockers")
             probe = target.request(PROMPTS[2], 8)
-            return await read(trial.state.nginx.base(trial.pings), probe, ReadOptions(timeout=s.timeout))
+            return await read(trial.state.base(trial.pings), probe, ReadOptions(timeout=s.timeout))
         finally:
             await cancel(tasks)
 
@@ -194,13 +190,13 @@ KEEPALIVE = Experiment(
 
 
 def measure_browser(trial: Trial) -> Row:
-    s, driver, cut = trial.sizes, trial.state.driver, trial.cut_after
+    s, browser, cut = trial.sizes, trial.state, trial.cut_after
     query = {"prompt": PROMPTS[3], "max_new_tokens": s.tokens, "mode": "eventsource"}
     query |= {"retry": trial.retry_ms, "drop_after": cut} if cut else {}
-    driver.get(f"{trial.target.url}/lab/demo?{urlencode(query)}")
+    browser.open(f"{trial.target.url}/lab/demo?{urlencode(query)}")
 
     def finished() -> Any:  # what the page recorded, once it is over
-        page = json.loads(driver.execute_script("return JSON.stringify((window.labkitDemo || {}).eventsource || {});"))
+        page = json.loads(browser.value("JSON.stringify((window.labkitDemo || {}).eventsource || {})"))
         return (page.get("finished") or page.get("failure")) and page
 
     page = wait_for(finished, timeout=s.timeout, what="the demo page to finish", interval=0.05)
@@ -217,16 +213,15 @@ def measure_browser(trial: Trial) -> Row:
 
 def browser_tables(t: Tables, s: Any) -> Tables:
     rows, events = t["rows"].copy(), t["events"].fillna("").astype({"id": str, "data": str})
-    seen = {key: list(zip(g.id, g.type, g.data)) for key, g in events.groupby(["repetition", "retry_ms"])}
-    rows["same_as_uninterrupted"] = [seen.get((r.repetition, r.retry_ms)) == seen.get((r.repetition, 0))
-                                     for r in rows.itertuples()]  # fmt: skip
+    got = {key: list(zip(g.id, g.type, g.data)) for key, g in events.groupby(["repetition", "retry_ms"])}
+    rows["same_as_uninterrupted"] = [got.get(k) == got.get((k[0], 0)) for k in zip(rows.repetition, rows.retry_ms)]
     return {"rows": rows, "delays": spread(rows[rows.cut_after > 0], "retry_ms", "reconnect_ms")}
 
 
 def browser_verdicts(t: Tables, s: Any) -> list:
     rows = t["rows"]
     cut, by = rows[rows.cut_after > 0], rows[rows.cut_after > 0].groupby("retry_ms").reconnect_ms
-    resumed = bool(len(cut) and (cut.connections == 2).all() and (cut.first_id_after == cut.cut_after + 1).all()
+    resumed = bool((cut.connections == 2).all() and (cut.first_id_after == cut.cut_after + 1).all()
                    and rows.same_as_uninterrupted.all() and rows.ids_once_in_order.all()
                    and (rows.ended_by == "done").all())  # fmt: skip
     ordered = (
@@ -234,7 +229,7 @@ def browser_verdicts(t: Tables, s: Any) -> list:
         if cut.reconnect_ms.isna().all()
         else bool((cut.reconnect_ms >= cut.retry_ms).all() and (by.max().values[:-1] < by.min().values[1:]).all())
     )
-    firsts = sorted(set(cut.first_id_after.dropna().astype(int)))
+    firsts = seen(cut.first_id_after)
     delays = "; ".join(f"retry {r} ms: {span(g, '{:.0f}', ' ms')}" for r, g in by)
     return [judge("the browser resumes exactly", "cut, EventSource reconnects by itself with Last-Event-ID and ends "
                   "with the uninterrupted run's events", "a cut run otherwise", resumed if len(cut) else None,
@@ -311,7 +306,7 @@ async def drain(server: Any, s: Any) -> tuple[list[Stream], list[Row], int, floa
     probes: list[Row] = []
     while time.perf_counter() - signalled < s.drain_grace_s + 60:  # a new request after each answer until refused
         p = await read(server.url, server.request("A request in the drain", 2, stream=False), ReadOptions(timeout=5))
-        kind = ((p.body or {}).get("error") or {}).get("type") if isinstance(p.body, dict) else None
+        kind = (p.body.get("error") or {}).get("type") if isinstance(p.body, dict) else None
         probes.append({"sent_s": p.sent - signalled, "status": p.status, "retry_after": p.headers.get("retry-after"),
                        "type": kind or ("refused at the socket" if p.status == 0 else "answered")})  # fmt: skip
         if p.status == 0:
