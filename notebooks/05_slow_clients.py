@@ -81,9 +81,9 @@ target
 # * **same steps** (where the target has a step log): a slow reader costs the healthy streams
 #   seconds, never engine steps: a healthy stream takes as many steps from its first token to its
 #   release as with nobody slow. Falsified by a difference of more than two steps.
-# * **policies act**: in every run `naive` queues no more of a slow stream's events than the one in hand, `unbounded` queues
-#   them past the mark, `pause` pauses it, `drop` and `pause_then_drop` cancel it. Falsified by
-#   any run in which its policy did not.
+# * **policies act**: in every run `naive` holds at most two of a slow stream's events (the one in
+#   hand and the next), `unbounded` queues them past the mark, `pause` pauses it, `drop` and
+#   `pause_then_drop` cancel it. Falsified by any run in which its policy did not.
 # * **the dropped reader is told**: a dropped reader that reads on gets the `slow_client` error
 #   event after its backlog. Falsified by any dropped reader that ends without it.
 # * **slow is slow**: a slow reader reads at most half of what its server writes. Falsified by

@@ -239,8 +239,8 @@ paged.plot();
 # timed on its own: the summary table shows how attention's time moves with context and batch
 # beside the bytes copied, which is where the copy's cost would show. In the whole step the
 # saving is diluted by the matrix products, which do not change. The step verdicts judge
-# batch 32 only; at batch 1 the two steps' ranges can overlap, and the table's batch-1 rows are
-# shown, not judged.
+# the largest batch only; the table's batch-1 rows are shown, not judged (compare their ranges in
+# the table).
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -26,10 +26,12 @@
 # **What is the same**: the weights (labkit dequantises SmolLM2's GGUF file; llama.cpp runs that
 # file converted to float32; transformers serve reads the folder labkit converted it into),
 # float32 arithmetic, the number of threads, the prompts, the number of tokens of every stream
-# (end-of-sequence ignored, each server by its own flag, found by probing it), the size of the KV
-# cache, and the client: this process, reading every server over the same OpenAI streaming route
-# with the same reader. llama.cpp's prompt cache is off in every request, so no server reuses a
-# prefix.
+# (end-of-sequence ignored, each server by its own flag, found by probing it), and the client:
+# this process, reading every server over the same OpenAI streaming route with the same reader.
+# llama.cpp's prompt cache is off in every request, so no server reuses a prefix. The KV caches are
+# sized alike, not equal: labkit and transformers serve get the same number of blocks of the same
+# size, llama.cpp one shared context pool, larger, so that it holds the burst's long prompt (the
+# lineup table below gives each command).
 #
 # **What differs** is everything between the weights and the socket: the matrix products
 # themselves (labkit multiplies through its own fixed-order kernel, llama.cpp through ggml's,

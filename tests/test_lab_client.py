@@ -289,7 +289,7 @@ def test_with_gzip_asked_for_a_bomb_inflates_no_further_than_the_cap():
     body = bomb()
     head = f"HTTP/1.1 200 OK\ncontent-type: text/event-stream\ncontent-encoding: gzip\ncontent-length: {len(body)}"
     with hostile(canned(head, body)) as url:
-        stream = completion(Target(url, api="openai"), ReadOptions(timeout=30, gzip=True, max_bytes=4 << 20))
+        stream = completion(Target(url, api="openai"), ReadOptions(timeout=30, gzip=True, max_bytes=4 << 20, max_event_bytes=64 << 20))
     assert stream.error == "the stream passed the client's cap of 4,194,304 bytes"
     assert stream.total_bytes <= (4 << 20) + (1 << 20), "inflated a megabyte at a time"
     assert peak_rss_mib() - before < 200

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -107,6 +109,37 @@ def test_run_sync_works_inside_a_running_loop():
         return run_sync(inner())  # what a notebook cell does under ipykernel's loop
 
     assert asyncio.run(outer()) == 7
+
+
+RENDERED = """
+from labkit.lab.client import run_sync
+rendered = []
+class Costly:
+    def __repr__(self):
+        rendered.append(1)
+        return "Costly"
+async def made():
+    return Costly()
+assert isinstance(run_sync(made()), Costly)
+print(len(rendered))
+"""
+
+
+def test_run_sync_never_renders_its_result():
+    """asyncio.run ends by building its main task's repr, where SIGINT's handler is Python's own
+    (a script's, not pytest's: hence a process of its own): a returned Stream of 1,000 events that
+    each carry a 1 MiB id was rendered whole, 2 GB, from a hostile server's answer of 1 MB."""
+    done = subprocess.run([sys.executable, "-c", RENDERED], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "0", done.stdout
+
+
+@pytest.mark.parametrize("line", [b"data: ab\n", b"event: x\n", b": comment\n"])
+def test_an_event_that_never_ends_stops_at_the_event_cap(line):
+    """Data lines with no blank line pile up in the parser; the cap on one event bounds them."""
+    stream, splitter, options = Stream(), EventSplitter(), ReadOptions(max_event_bytes=4096)
+    reads = [stream.take(splitter, line * 64, 0.0, options) for _ in range(100)]
+    assert reads.index(False) == 4096 // (64 * len(line)) and stream.events == [], reads
+    assert stream.error == "an event passed the client's cap of 4,096 bytes of data"
 
 
 # --------------------------------------------------------------------------- against a server

@@ -334,14 +334,19 @@ MALFORMED = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-write", "two-writes"])
 @pytest.mark.parametrize("request_bytes", MALFORMED.values(), ids=MALFORMED.keys())
-def test_a_request_h11_cannot_read_gets_a_400_in_the_envelope_and_a_close(server: Any, request_bytes: bytes) -> None:
-    """(A head past h11's limit is refused only while incomplete: it goes in two pieces.)"""
+def test_a_request_h11_cannot_read_gets_a_400_in_the_envelope_and_a_close(
+    server: Any, request_bytes: bytes, split: bool
+) -> None:
+    """A head past 16 KiB too, whether it arrives whole in one read (h11 alone bounds only an
+    incomplete head: one read of 250 KB was served) or in pieces."""
     sock = connect(server)
-    sock.sendall(request_bytes[:20_000])
-    time.sleep(0.2)
-    with contextlib.suppress(OSError):  # closed after the first piece
-        sock.sendall(request_bytes[20_000:])
+    sock.sendall(request_bytes[:20_000] if split else request_bytes)
+    if split:
+        time.sleep(0.2)
+        with contextlib.suppress(OSError):  # closed after the first piece
+            sock.sendall(request_bytes[20_000:])
     raw = read_until_closed(sock)
     sock.close()
     assert raw.count(b"HTTP/1.1 ") == 1, raw
@@ -350,8 +355,9 @@ def test_a_request_h11_cannot_read_gets_a_400_in_the_envelope_and_a_close(server
     assert body["error"]["type"] == "invalid_request" and "malformed" in body["error"]["message"]
 
 
-@pytest.mark.parametrize("tail", [MALFORMED["two-lengths"], MALFORMED["no-host"], b"GARBAGE \x00\x01\xff\r\n\r\n"],
-                         ids=["two-lengths", "no-host", "garbage"])
+@pytest.mark.parametrize("tail", [MALFORMED["two-lengths"], MALFORMED["no-host"], b"GARBAGE \x00\x01\xff\r\n\r\n",
+                                  MALFORMED["head-past-16-kib"]],
+                         ids=["two-lengths", "no-host", "garbage", "head-past-16-kib"])
 def test_a_malformed_request_pipelined_behind_a_stream_gets_its_400_after_it(server: Any, tail: bytes) -> None:
     """The stream first, whole; then the 400 in the envelope, not a silent close (a hostile review)."""
     sock = connect(server)

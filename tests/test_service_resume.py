@@ -270,3 +270,19 @@ def test_one_stream_has_at_most_max_followers_at_once_and_a_place_frees_when_one
         server.engine.resume(rid)
         for client in (creator, again, *followers):
             assert client.read_to_end()[-1][0] == "done"
+
+
+def test_resume_requests_borrow_no_thread(server: Any) -> None:
+    """A plain ``def`` dependency runs in AnyIO's thread pool: eight concurrent resumes of no
+    stream at all started eight worker threads (up to 40), and queued behind sync routes."""
+    import concurrent.futures
+    import threading
+
+    def workers() -> int:
+        return sum(t.name.startswith("AnyIO worker") for t in threading.enumerate())
+
+    before = workers()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(lambda i: httpx.get(f"{server.url}/v1/streams/none-{i}/events",
+                                                     timeout=TIMEOUT).status_code, range(8)))  # fmt: skip
+    assert statuses == [404] * 8 and workers() == before, (statuses, workers(), before)

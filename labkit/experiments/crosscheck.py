@@ -170,10 +170,10 @@ def guidellm(
             try:
                 code = proc.wait(timeout=s.timeout)
             except subprocess.TimeoutExpired:
-                raise RuntimeError(f"guidellm ran past {s.timeout:g} s") from None
+                raise ChildProcessError(f"guidellm ran past {s.timeout:g} s") from None
             if code != 0 or not out.exists():
                 said = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-                raise RuntimeError(f"guidellm exited with {code}: {said[0][:300]}")
+                raise ChildProcessError(f"guidellm exited with {code}: {said[0][:300]}")  # an OSError: one line
             return guidellm_row(json.loads(out.read_text())["benchmarks"][0], streams)
 
         try:

@@ -342,7 +342,8 @@ STOP = Experiment(
     tables=lambda t, s: {"rounds": spread(t["rows"], ["response_class", "leave_by", "witness"], ["kept_on"])},
     verdicts=stop_verdicts,
     chapter={"tokens": (200, "streams still running when their clients leave are all the probe needs (a round "
-                        "whose streams would have ended within the witness's window is set aside)")},
+                        "whose streams would have ended within twice the witness's window is set aside, unless the "
+                        "server's records witness it)")},
 )  # fmt: skip
 
 SPECS = (MOMENTS, FIN_RST, STOP)

@@ -139,7 +139,8 @@ def start(
 ) -> Lineup:  # fmt: skip
     """labkit at its defaults, labkit at each budget of the sweep (no surge budget), and the peers,
     each started, probed and warmed up once; a peer that cannot start is kept as a reason.
-    ``num_blocks`` of 16 tokens: every cache.
+    ``num_blocks`` of 16 tokens: labkit's and transformers serve's caches (llama.cpp's is one
+    shared context pool, large enough for the burst's long prompt).
     The servers' output goes to ``log_dir`` (default ``build/peers/`` in the checkout)."""
     log_dir = log_dir or repo_root() / "build" / "peers"
     env = {"OMP_NUM_THREADS": str(threads)}

@@ -110,19 +110,22 @@ def measure_load(trial: Trial) -> dict[str, Any] | list[dict[str, Any]]:
     server = lineup.server(trial.server)
     since = server.current_step() if server.caps.lab else None
     engine = trial.state["engine"] if trial.server == LABKIT and trial.level == 1 else None
-    alone = [engine_alone(engine, s.tokens)] if engine is not None and trial.repetition % 2 else []
+    alone = None
+    if engine is not None and trial.repetition % 2:  # odd rounds: the engine alone first
+        alone = engine_alone(engine, s.tokens)
     done = server.launch([server.request(p, s.tokens) for p in cycle(trial.level)])
     row = {**done.row(), "streams": trial.level, "whole": sum(x.ok and x.tokens == s.tokens for x in done.streams)}
     if engine is not None:
-        alone = alone or [engine_alone(engine, s.tokens)]
-        trial.keep("pairs", {"http_tokens_per_s": row["tokens_per_s"], "alone_tokens_per_s": alone[0]["tokens_per_s"]})
+        if alone is None:  # even rounds: HTTP first
+            alone = engine_alone(engine, s.tokens)
+        trial.keep("pairs", {"http_tokens_per_s": row["tokens_per_s"], "alone_tokens_per_s": alone["tokens_per_s"]})
     if trial.server in lineup.budgets:
         budgets = lineup.budgets[trial.server]
         row["budget"] = label(budgets)
         if since is not None:
             steps = server.steps(since)
             row.update(steps=len(steps), over_budget=over_budget(steps, *budgets))
-    return [row, {**alone[0], "server": ENGINE}] if alone else row
+    return [row, {**alone, "server": ENGINE}] if alone is not None else row
 
 
 def over_budget(steps: pd.DataFrame, budget: int | None, surge: int | None = None) -> int:

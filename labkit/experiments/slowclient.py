@@ -177,7 +177,7 @@ def verdicts(t: dict[str, pd.DataFrame], s: Sizes) -> list:
         fired = {p: (int(act[p][known.policy == p].sum()), int((known.policy == p).sum())) for p in act}
         fired = {p: counts for p, counts in fired.items() if counts[1]}  # a target's own policy is none of these
         told_n, dropped = int((gone & (known.end == "slow_client")).sum()), int(gone.sum())
-        out += [judge("policies act", "naive never queues a slow stream, unbounded queues it past the mark, pause "
+        out += [judge("policies act", "naive holds at most two of a slow stream's events, unbounded queues it past the mark, pause "
                       "pauses it, drop and pause_then_drop drop it, in every run", "any run where its policy did not",
                       all(a == n for a, n in fired.values()) if fired else None,
                       ", ".join(f"{p} {a} of {n}" for p, (a, n) in fired.items()) or "no policy set", checked=True),

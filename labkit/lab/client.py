@@ -303,16 +303,21 @@ def get_json(url: str, path: str, *, timeout: float = 10.0, headers: dict[str, s
 def run_sync(coro: Awaitable[T]) -> T:
     """Run a coroutine to the end from synchronous code, even inside Jupyter's running loop (then
     on a fresh loop in a helper thread, joined before returning)."""
+    box: dict[str, Any] = {}
+
+    async def kept() -> None:  # the value goes in the box, never out as the task's result: asyncio.run
+        box["value"] = await coro  # ends by building the main task's repr, and so the result's, whole
+
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro)  # type: ignore[arg-type]
-    box: dict[str, Any] = {}
+        asyncio.run(kept())
+        return box["value"]
     context = contextvars.copy_context()  # the run's budget (RUN_ENDS) holds in the helper thread too
 
     def target() -> None:
         try:
-            box["value"] = context.run(asyncio.run, coro)  # type: ignore[arg-type]
+            context.run(asyncio.run, kept())
         except BaseException as exc:  # re-raised in the caller's thread
             box["error"] = exc
 

@@ -242,6 +242,9 @@ class Stream:
                 self.error = f"an event passed the client's cap of {options.max_event_bytes:,} bytes of data"
                 return False
             self.add(event)
+        if splitter.pending > options.max_event_bytes:  # the parser holds an event that never ends
+            self.error = f"an event passed the client's cap of {options.max_event_bytes:,} bytes of data"
+            return False
         # after every read, not only at the end: a stream cut mid-way keeps the id to resume from
         self.unfinished_bytes, self.last_event_id = splitter.pending, splitter.parser.last_event_id
         return True

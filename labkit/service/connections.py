@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import struct
 from collections.abc import Callable
@@ -68,13 +69,14 @@ from http import HTTPStatus
 from typing import Any, ClassVar
 
 import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
 from labkit.service.config import HttpConfig
 from labkit.service.errors import envelope
 
 TRANSPORT_KEY = "labkit.transport"  # the scope key naming the connection's transport
 MALFORMED = "the request cannot be read as HTTP/1.1: malformed framing, head or Host"
+HEAD_END = re.compile(rb"\r?\n\r?\n")  # where a request head ends, as h11 reads it
 CLOSE_REASONS = (
     "idle_timeout",
     "header_timeout",
@@ -162,6 +164,17 @@ class GuardedH11Protocol(H11Protocol):
         if self.admitted is None and self.cycle is not None:  # the first head is in: in arrival order
             self.admitted = self.guards.slots.take(self)
         self._follow_phase()
+
+    def handle_events(self) -> None:
+        """h11 bounds a head only while it is incomplete: one read that holds a whole head of
+        250 KB passes. Here the next head (the first, or one pipelined) is measured whole."""
+        if self.conn.their_state is h11.IDLE:
+            buffered = self.conn.trailing_data[0]
+            end = HEAD_END.search(buffered, 0, DEFAULT_MAX_INCOMPLETE_EVENT_SIZE + 4)
+            if (end.end() if end else len(buffered)) > DEFAULT_MAX_INCOMPLETE_EVENT_SIZE:
+                self.send_400_response("request head too large")
+                return
+        super().handle_events()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -408,13 +408,14 @@ class Resume:
     token: str | None
 
 
-def resume_asked(
+async def resume_asked(
     last_event_id: str | None = Header(default=None),
     x_resume_token: str | None = Header(default=None),
     after: str | None = Query(default=None),
     token: str | None = Query(default=None),
 ) -> Resume:
-    """The cursor (``Last-Event-ID`` or ``?after=``) and the token (``X-Resume-Token`` or ``?token=``)."""
+    """The cursor (``Last-Event-ID`` or ``?after=``) and the token (``X-Resume-Token`` or ``?token=``).
+    ``async``: FastAPI runs a plain ``def`` dependency in the thread pool, a thread per request."""
     return Resume(parse_cursor(last_event_id, after), x_resume_token or token)
 
 
