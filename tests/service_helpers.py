@@ -107,19 +107,28 @@ def lab_server(model: Any, *, check_settled: bool = True, **settings: Any) -> It
                what="no thread left behind")
 
 
-def occupy_a_slot(server: RunningServer, max_new_tokens: int = 200) -> RawClient:
+def occupy_a_slot(server: RunningServer, max_new_tokens: int = 200, tries: int = 3) -> RawClient:
     """A running stream paused in the engine: it keeps its batch slot until its client leaves.
 
     It is paused only once its first token exists, i.e. once it has been admitted: a request
-    paused while still waiting would be stepped over, and the slot given to the next one.
+    paused while still waiting would be stepped over, and the slot given to the next one. The
+    pause is a wish the step thread applies at a step boundary, so a stream may finish before it
+    lands (a test thread starved on a busy machine while a small model runs its tokens): then
+    another stream takes its place, up to ``tries``, and the wait is for the pause or the end.
     """
-    paused = server.engine.stats()["paused"]
-    client = RawClient(server.url).post("/v1/stream", {"prompt": "Hello", "max_new_tokens": max_new_tokens})
-    events = client.read_events(2)
-    assert events[1][0] == "token", events
-    server.engine.pause(events[0][1]["request_id"])
-    wait_until(lambda: server.engine.stats()["paused"] == paused + 1, what="the pause")
-    return client
+    live = server.engine.scheduler.live
+    for _ in range(tries):
+        paused = server.engine.stats()["paused"]
+        client = RawClient(server.url).post("/v1/stream", {"prompt": "Hello", "max_new_tokens": max_new_tokens})
+        events = client.read_events(2)
+        assert events[1][0] == "token", events
+        rid = events[0][1]["request_id"]
+        server.engine.pause(rid)
+        wait_until(lambda p=paused, r=rid: server.engine.stats()["paused"] == p + 1 or r not in live, what="the pause")
+        if server.engine.stats()["paused"] == paused + 1:
+            return client
+        client.close_rst()  # it ended before the pause landed: its slot is free again
+    raise AssertionError(f"{tries} streams of {max_new_tokens} tokens each ended before their pause landed")
 
 
 # -- reading streams with httpx-sse ------------------------------------------------------------

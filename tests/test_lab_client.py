@@ -4,13 +4,16 @@ is one clear line. Each test runs a misbehaving server on 127.0.0.1 (tests/hosti
 from __future__ import annotations
 
 import asyncio
+import gc
 import gzip
 import json
 import resource
 import time
+import tracemalloc
 
 import pytest
 from hostile_helpers import (
+    SSE_HEAD,
     bomb,
     canned,
     chunk,
@@ -31,8 +34,10 @@ from hostile_helpers import (
 )
 
 from labkit.lab import ReadOptions, Request, Target
+from labkit.lab import stream as stream_module
 from labkit.lab.client import JSON_CAP, async_client, get_json, read, run_sync
 from labkit.lab.probe import connect
+from labkit.lab.stream import REFUSAL_CAP, Kept
 from labkit.lab.target import TargetError
 
 
@@ -66,6 +71,125 @@ def test_a_huge_json_answer_is_refused_at_the_json_cap():
         with pytest.raises(OSError, match=f"cap of {JSON_CAP >> 20} MiB"):
             get_json(url, "/v1/models", timeout=60)
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])
+@pytest.mark.parametrize("status", ["503 Service Unavailable", "200 OK"])
+def test_a_refusal_is_read_no_further_than_its_cap(raw, status):
+    """Parsed, 8 MiB of ``[{},...]`` is about 240 MB, and a launch holds 32 requests: a body
+    other than the one asked for (an error, JSON where a stream was asked) is read to 64 KiB,
+    enough to say what it is, and the rest is never read."""
+    body = b"[" + b"{}," * (3 << 20) + b"{}]"
+    head = f"HTTP/1.1 {status}\ncontent-type: application/json\ncontent-length: {len(body)}"
+    with hostile(canned(head, body)) as url:
+        stream = completion(Target(url, api="openai"), ReadOptions(timeout=30), raw=raw)
+    said = "HTTP 503" if status.startswith("503") else "answered application/json"
+    assert stream.error.startswith(f"{said}: [{{}},{{}},"), stream.error
+    assert isinstance(stream.body, str) and len(stream.body) == REFUSAL_CAP, "kept to the cap, unparsed"
+    assert REFUSAL_CAP <= stream.total_bytes <= 2 * REFUSAL_CAP
+
+
+def test_the_json_a_get_asked_for_is_read_to_the_json_cap():
+    body = json.dumps({"data": [{"id": f"m{i}"} for i in range(20_000)]}).encode()  # 300 KB: past a refusal's cap
+    head = f"HTTP/1.1 200 OK\ncontent-type: application/json\ncontent-length: {len(body)}"
+    with hostile(canned(head, body)) as url:
+        status, answer = get_json(url, "/v1/models", timeout=30)
+    assert status == 200 and len(answer["data"]) == 20_000
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])
+def test_a_completion_asked_for_whole_is_read_to_a_megabyte(raw):
+    body = json.dumps({"choices": [{"text": "x" * (2 << 20), "finish_reason": "length"}]}).encode()
+    head = f"HTTP/1.1 200 OK\ncontent-type: application/json\ncontent-length: {len(body)}"
+    with hostile(canned(head, body)) as url:
+        target = Target(url, api="openai")
+        stream = target.read(target.request("hi", 8, stream=False), ReadOptions(timeout=30), raw=raw)
+    assert "answer larger than the client's cap of 1 MiB" in stream.error and stream.body is None
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])
+def test_streams_alive_together_keep_within_one_cap(raw, monkeypatch):
+    """Each stream's own caps would let eight endless streams keep 512 MiB; together they keep
+    within the process's one cap, and what they kept is given back once they are gone."""
+    kept = Kept(cap=8 << 20)
+    monkeypatch.setattr(stream_module, "KEPT", kept)
+    streams = _eight(endless_stream, raw)
+    capped = [s for s in streams if s.error == "the lab's streams passed the client's cap of 8,388,608 bytes kept in all"]
+    assert capped and 0 < kept.held <= kept.cap
+    assert sum(s._account[0] for s in streams if s._account) == kept.held
+    del streams, capped
+    gc.collect()
+    assert kept.held == 0, "a stream's charge is given back when it is collected"
+
+
+def _eight(behaviour, raw: bool, **options) -> list:
+    """Eight streams at once from a hostile server, each with caps far above what it sends."""
+    options = ReadOptions(**{"timeout": 60, "max_events": 10**6, **options})
+    with hostile(behaviour) as url:
+        target = Target(url, api="openai")
+        requests = [target.request("hi", 10**6)] * 8
+
+        async def each_raw() -> list:
+            return list(await asyncio.gather(*(target.stream(r, options, raw=True) for r in requests)))
+
+        return run_sync(each_raw()) if raw else target.launch(requests, options).streams
+
+
+def _repeated(event: bytes, head: bytes = SSE_HEAD) -> object:
+    async def behave(w) -> None:  # one event (or comment) over and over, as fast as the client reads
+        w.write(head)
+        piece = chunk(event * max(1, (256 << 10) // len(event)))
+        for _ in range(4096):
+            w.write(piece)
+            await w.drain()
+
+    return behave
+
+
+ATTACKS = {  # each would keep hundreds of megabytes in eight streams if the cap counted only data characters
+    "a long id on every event": _repeated(b"id: " + b"i" * 200_000 + b"\ndata: {}\n\n"),
+    "a long event name": _repeated(b"event: " + b"e" * 200_000 + b"\ndata: {}\n\n"),
+    "text of one emoji and much else": _repeated(
+        b'data: {"choices": [{"text": "' + b"a" * 100_000 + b'\\ud83d\\ude00"}]}\n\n'),
+    "text that is not a string": _repeated(b'data: {"choices": [{"text": [' + b"1e15," * 40_000 + b'"x"]}]}\n\n'),
+    "a huge usage": _repeated(b'data: {"choices": [], "usage": {"x": [' + b"{}," * 100_000 + b"{}]}}\n\n"),
+    "a head of many fields": canned("HTTP/1.1 200 OK\ncontent-type: text/event-stream\n"
+                                    + "\n".join(f"x{i}: {i}" for i in range(8000)), b"", hold_s=5),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["httpx", "raw"])
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_what_eight_hostile_streams_keep_in_memory_stays_near_the_one_cap(attack, raw, monkeypatch):
+    """Measured with tracemalloc: whatever a hostile server puts where (ids, names, text that
+    grows when decoded or made a string, parsed usage, the head's fields), eight streams keep
+    within about the one cap, and each attack ends its streams with a failure."""
+    kept = Kept(cap=4 << 20)
+    monkeypatch.setattr(stream_module, "KEPT", kept)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        streams = _eight(ATTACKS[attack], raw, max_event_bytes=4 << 20)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert held < kept.cap * 3 // 2 + (2 << 20), f"{held / 2**20:.1f} MiB kept by eight streams"  # uncapped: ~512
+    assert all(s.failure for s in streams), [s.failure for s in streams]
+    del streams
+    gc.collect()
+    assert kept.held == 0
+
+
+def test_a_kept_wire_is_charged_to_the_one_cap(monkeypatch):
+    """Comments make no events, so only the kept wire can reach the cap."""
+    kept = Kept(cap=1 << 20)
+    monkeypatch.setattr(stream_module, "KEPT", kept)
+    with hostile(_repeated(b": " + b"c" * 1000 + b"\n")) as url:
+        stream = completion(Target(url, api="openai"), ReadOptions(timeout=60, keep_wire=True, max_event_bytes=64 << 20),
+                            raw=True)  # fmt: skip
+    assert stream.error == "the lab's streams passed the client's cap of 1,048,576 bytes kept in all"
+    assert not stream.events and stream._account[0] >= len(stream.wire) > (1 << 20) - (64 << 10)
 
 
 def test_a_gzip_bomb_is_never_inflated():

@@ -31,8 +31,8 @@ import h11
 import httpx
 import numpy as np
 
-from labkit.lab.raw import BASE_HEADERS, JSON_CAP, MIB, hang_up, read_raw
-from labkit.lab.stream import API, EventSplitter, ReadOptions, Stream, json_or_text
+from labkit.lab.raw import BASE_HEADERS, MIB, hang_up, read_raw
+from labkit.lab.stream import API, JSON_CAP, REFUSAL_CAP, EventSplitter, ReadOptions, Stream, json_or_text
 
 # When the run in progress must end (perf_counter), if it has a budget: every read ends by then.
 RUN_ENDS: contextvars.ContextVar[float | None] = contextvars.ContextVar("labkit_run_ends", default=None)
@@ -88,6 +88,7 @@ async def read(
     options = options or ReadOptions()
     result = result if result is not None else Stream(api=request.api)
     result.api, result.sent = request.api, time.perf_counter()
+    result.asked_stream, result.asked_get = request.stream, request.method == "GET"
     body = request.body or {}
     asked = body.get("max_tokens", body.get("max_new_tokens"))  # OpenAI's name, or labkit's
     result.max_tokens = asked if type(asked) is int else None
@@ -128,7 +129,7 @@ async def read(
         result.error = f"an unreadable answer: {type(exc).__name__}: {exc}"[:300]
     result.ended = result.ended or time.perf_counter()
     if result.error is None:
-        result.error = result.refusal(request.stream)
+        result.error = result.refusal()
     return result
 
 
@@ -171,7 +172,7 @@ async def _read_httpx(response: httpx.Response, result: Stream, options: ReadOpt
     sock = _socket(response)
     chunks = _decoded(response.aiter_raw(), result.headers.get("content-encoding", "").strip().lower() == "gzip")
     if not result.content_type.startswith("text/event-stream"):
-        result.body = json_or_text(await _capped(chunks, JSON_CAP, result))
+        result.body = json_or_text(await _capped(chunks, result.body_cap, result))
         result.ended = time.perf_counter()
         return
     splitter = EventSplitter()
@@ -240,11 +241,15 @@ async def _decoded(chunks: AsyncIterator[bytes], gzip: bool) -> AsyncIterator[by
 
 
 async def _capped(chunks: Any, cap: int, result: Stream) -> bytes:
+    """The body, read within ``cap``: past it the answer asked for fails; a refusal past its
+    smaller cap is kept to it (its head and first bytes say what it is), the rest unread."""
     kept = bytearray()
     async for chunk in chunks:
         result.total_bytes += len(chunk)
         if len(kept) + len(chunk) > cap:
-            raise httpx.ReadError(f"answer larger than the client's cap of {cap // (1 << 20)} MiB")
+            if cap > REFUSAL_CAP:
+                raise httpx.ReadError(f"answer larger than the client's cap of {cap // (1 << 20)} MiB")
+            return bytes(kept + chunk[: cap - len(kept)])
         kept += chunk
     return bytes(kept)
 

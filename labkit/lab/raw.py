@@ -6,7 +6,8 @@ is ``shutdown(SHUT_WR)`` (the client then drains what is in flight so the close 
 leaving by RST arms a zero linger and closes. :func:`hang_up` serves the httpx reader too.
 
 Bounded as the httpx reader is: every byte received counts against the stream's cap (heads and
-1xx answers within :data:`HEAD_ROOM` of it), a JSON answer against :data:`JSON_CAP`.
+1xx answers within :data:`HEAD_ROOM` of it), a body that is not a stream against
+:attr:`Stream.body_cap <labkit.lab.stream.Stream.body_cap>`, a kept wire against :data:`KEPT`.
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ from urllib.parse import urlsplit
 
 import h11
 
-from labkit.lab.stream import EventSplitter, ReadOptions, Stream, json_or_text
+from labkit.lab.stream import REFUSAL_CAP, EventSplitter, ReadOptions, Stream, json_or_text
 from labkit.machine import linger_zero
 
 if TYPE_CHECKING:
     from labkit.lab.client import Request
 
-JSON_CAP = 8 << 20  # bytes of a JSON answer the client reads at most
 MIB = 1 << 20
 HEAD_ROOM = MIB  # bytes of heads (and 1xx answers) the raw reader takes beyond a stream's cap
 BASE_HEADERS = {"Accept-Encoding": "identity", "Accept": "text/event-stream, application/json"}
@@ -126,6 +126,8 @@ async def _read_socket(
                 result.error = f"the answer passed the client's cap of {options.max_bytes:,} bytes"
                 break
             if options.keep_wire:
+                if not result.keep(len(data)):
+                    break
                 result.wire += data
             result.reads += bool(data)
             conn.receive_data(data)
@@ -142,7 +144,7 @@ async def _read_socket(
                 await asyncio.sleep(options.pace)
     finally:
         flag.cancel()
-    if result.headers_at is not None and not result.content_type.startswith("text/event-stream"):
+    if result.headers_at is not None and not result.content_type.startswith("text/event-stream") and not result.error:
         result.body = json_or_text(bytes(kept))
 
 
@@ -164,10 +166,15 @@ def _raw_events(conn: h11.Connection, result: Stream, splitter: EventSplitter, k
             if result.content_type.startswith("text/event-stream"):
                 if not result.take(splitter, bytes(event.data), now, o):
                     return True
-            elif len(kept) + len(event.data) > JSON_CAP:
-                result.error = f"answer larger than the client's cap of {JSON_CAP >> 20} MiB"
+            elif len(kept) + len(event.data) > (cap := result.body_cap):
+                result.total_bytes += len(event.data)
+                if cap > REFUSAL_CAP:
+                    result.error = f"answer larger than the client's cap of {cap >> 20} MiB"
+                else:  # a refusal: its head and first bytes say what it is; the rest is never read
+                    kept += event.data[: cap - len(kept)]
                 return True
             else:
+                result.total_bytes += len(event.data)
                 kept += event.data
         elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
             return True

@@ -12,28 +12,88 @@ Every read is bounded, because a target may be hostile: ``ReadOptions.timeout`` 
 request, ``max_bytes`` a stream's body, ``max_event_bytes`` one event's data and ``max_events`` the
 events kept; going past a bound ends the read with an ``error`` naming it. An event is kept as the
 text it came as and parsed when read, so what a stream holds is about the size of its wire bytes
-(parsed JSON can be 30 times larger: a ``{}`` of 2 bytes is a 64-byte dict). And an answer is
-read as the one asked for: one choice a chunk (``n`` is 1), a token count that is a count within
-``max_tokens``, nothing after the stream's end; anything else is a ``stream_error``, never tokens.
+(parsed JSON can be 30 times larger: a ``{}`` of 2 bytes is a 64-byte dict). A body that is not a
+stream is parsed whole, so it is read within :attr:`Stream.body_cap`: far less for a refusal than
+for the JSON asked for. Every stream alive keeps within one cap for them all (:data:`KEPT`), so
+many streams at their own caps do not add up to gigabytes. And an answer is read as the one asked
+for: one choice a chunk (``n`` is 1), a token count that is a count within ``max_tokens``, nothing
+after the stream's end; anything else is a ``stream_error``, never tokens.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import sys
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from labkit.sse import SSEParser
 
-__all__ = ["API", "LeaveBy", "ReadOptions", "TimedEvent", "Stream", "EventSplitter", "json_or_text"]
+__all__ = ["API", "LeaveBy", "ReadOptions", "TimedEvent", "Stream", "EventSplitter", "Kept", "KEPT", "json_or_text"]
 
 API = Literal["labkit", "openai", "openai-chat"]
 LeaveBy = Literal["fin", "rst"]
 MiB = 1 << 20
 BODY_END_GRACE_S = 2.0  # how long a body may go on after its stream's own end (a done event, [DONE])
+JSON_CAP = 8 * MiB  # bytes of the JSON a GET asked for (a lab record, /metrics) the client reads at most
+ANSWER_CAP = MiB  # bytes of a completion asked for whole (not streamed): a few tokens' worth of JSON
+REFUSAL_CAP = 64 * 1024  # bytes of any other body (an error's envelope, JSON where a stream was asked)
+ID_CAP, NAME_CAP = 256, 64  # characters of an event's id and name (labkit's ids are numbers; OpenAI sends none)
+USAGE_CAP = 64 * 1024  # characters of an event that carries a usage (parsed, it is kept whole)
+EVENT_COST = 160  # bytes an event costs beyond its strings: the objects that hold it and what it means
+
+
+class Kept:
+    """What every stream the lab's client holds keeps, together, within one cap for the process.
+
+    A stream's caps bound that stream; 32 hostile streams, each at its caps, still held 1.4 to
+    2.6 GB (a review). So every string a stream keeps (an event's data, id and name, a token's
+    text, the head's fields, a kept wire) is charged here at its size in memory, with
+    :data:`EVENT_COST` for the objects around an event, and what is parsed and kept is bounded
+    where it is read (:data:`USAGE_CAP`, a short finish reason). The charge is given back when the
+    stream is collected: the cap bounds what is alive at once, not what a long run reads. A
+    legitimate trial keeps about a megabyte; ``peak`` is the most ever held.
+    """
+
+    def __init__(self, cap: int = 512 * MiB) -> None:
+        self.cap, self.peak, self._held = cap, 0, 0
+        self._lock = threading.Lock()  # streams in several threads charge it
+        # given back by finalizers, which may run inside charge() (a collection at any allocation):
+        # list.append takes no lock, so a finalizer never waits on the lock its own thread holds
+        self._returned: list[list[int]] = []
+
+    @property
+    def held(self) -> int:
+        with self._lock:
+            self._settle()
+            return self._held
+
+    def charge(self, account: list[int], n: int) -> bool:
+        with self._lock:
+            self._settle()
+            if self._held + n > self.cap:
+                return False
+            self._held += n
+            account[0] += n
+            self.peak = self._held if self._held > self.peak else self.peak
+            return True
+
+    def give_back(self, account: list[int]) -> None:
+        self._returned.append(account)
+
+    def _settle(self) -> None:
+        while self._returned:
+            account = self._returned.pop()
+            self._held -= account[0]
+            account[0] = 0
+
+
+KEPT = Kept()
 
 
 @dataclass(frozen=True)
@@ -139,6 +199,10 @@ class Stream:
     completed: bool = False  # reached its own end: a done/error event, a finish reason, [DONE]
     max_tokens: int | None = None  # what the request asked for: a usage count above it is no count
     closed: bool = False  # a done/error event or [DONE]: no event may follow
+    asked_stream: bool = True  # what the request asked for: a stream, or one JSON answer
+    asked_get: bool = False  # a GET (a lab record, /metrics), not a completion
+    _account: list[int] | None = field(default=None, init=False, repr=False, compare=False)  # charged to _kept
+    _kept: Kept | None = field(default=None, init=False, repr=False, compare=False)  # KEPT when first charged
 
     def add(self, event: TimedEvent) -> None:
         """Interpret one event; a payload of the wrong shape ends nothing but is said in
@@ -154,16 +218,16 @@ class Stream:
             raise ValueError("an event after the stream's end")
         if self.api == "labkit":
             if event.event == "token":
-                token_id, piece = int(data.get("id", -1)), str(data.get("text", ""))  # may raise: nothing kept then
+                token_id, piece = int(data.get("id", -1)), _text(data.get("text", ""))  # may raise: nothing kept then
                 self._token(event.time)
                 self.token_ids.append(token_id)
                 self.pieces.append(piece)
             elif event.event == "done":
-                self.finish_reason, self.usage = data.get("finish_reason"), data.get("usage")
+                self.finish_reason, self.usage = _reason(data.get("finish_reason")), _usage(event, data.get("usage"))
                 self.completed = self.closed = True
             elif event.event == "error":
                 err: dict[str, Any] = data["error"] if isinstance(data.get("error"), dict) else {}
-                self.finish_reason, self.completed, self.closed = str(err.get("type", "error")), True, True
+                self.finish_reason, self.completed, self.closed = str(err.get("type", "error"))[:NAME_CAP], True, True
                 self.stream_error = str(err.get("message", err))[:200]
             return
         if data.get("raw") == "[DONE]":
@@ -172,7 +236,7 @@ class Stream:
         if set(data) == {"raw"}:  # not a JSON object (or nested past what Python parses)
             raise ValueError(f"a chunk that is not a JSON object: {str(data['raw'])[:40]!r}")
         if isinstance(data.get("usage"), dict):
-            self.usage = self._counted(data["usage"])
+            self.usage = self._counted(_usage(event, data["usage"]))
         if isinstance(data.get("error"), dict):
             self.stream_error = str(data["error"].get("message", data["error"]))[:200]
         choices = data.get("choices") or []
@@ -180,17 +244,17 @@ class Stream:
             raise ValueError(f"{len(choices)} choices in one chunk, where one was asked for")
         for choice in choices:
             delta = choice.get("delta") or {}
-            piece = choice.get("text", delta.get("content")) or ""
+            piece = _text(choice.get("text", delta.get("content")) or "")
             if not ("text" in choice or "content" in delta or choice.get("finish_reason") is not None):
                 continue  # neither a token nor an end: a role, a tool call, an empty {}
             if self.finish_reason is not None:
                 raise ValueError("a chunk after the finish reason")
-            finish = choice.get("finish_reason")
+            finish = _reason(choice.get("finish_reason"))
             if piece or (finish is None and "role" not in delta):  # the last text may come with the end
                 self._token(event.time)
             if finish is not None:  # the answer is whole; [DONE] is optional
                 self.finish_reason, self.completed = finish, True
-            self.pieces.append(str(piece))
+            self.pieces.append(piece)
 
     def _token(self, at: float) -> None:
         """One more token, unless that makes more than the request asked for, or than usage said."""
@@ -227,6 +291,9 @@ class Stream:
             self.error = f"an answer in Content-Encoding: {coding[:60]}, where the client asked for {asked}"
         elif "," in self.content_type.split(";")[0]:  # a field sent twice (joined): which one is the body?
             self.error = f"an answer with more than one Content-Type: {self.content_type[:80]}"
+        fields = sys.getsizeof(headers) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in headers.items())
+        if self.error is None and not self.keep(fields):  # httpx allows a head of 100 KiB: thousands of fields
+            self.headers = {}
 
     def take(self, splitter: EventSplitter, chunk: bytes, now: float, options: ReadOptions) -> bool:
         """Feed one read; False (with the error set) once a bound on the stream is passed."""
@@ -241,13 +308,41 @@ class Stream:
             if len(event.raw) > options.max_event_bytes // 4 and len(event.raw.encode()) > options.max_event_bytes:
                 self.error = f"an event passed the client's cap of {options.max_event_bytes:,} bytes of data"
                 return False
+            if len(event.id) > ID_CAP or len(event.event) > NAME_CAP:
+                self.error = f"an event's id or name passed the client's cap of {ID_CAP} or {NAME_CAP} characters"
+                return False
+            if not self.keep(EVENT_COST + sum(sys.getsizeof(x) for x in (event.raw, event.id, event.event))):
+                return False
+            pieces = len(self.pieces)
             self.add(event)
+            if len(self.pieces) > pieces and not self.keep(sys.getsizeof(self.pieces[-1])):
+                return False
         if splitter.pending > options.max_event_bytes:  # the parser holds an event that never ends
             self.error = f"an event passed the client's cap of {options.max_event_bytes:,} bytes of data"
             return False
         # after every read, not only at the end: a stream cut mid-way keeps the id to resume from
         self.unfinished_bytes, self.last_event_id = splitter.pending, splitter.parser.last_event_id
         return True
+
+    def keep(self, n: int) -> bool:
+        """Charge ``n`` more bytes kept to :data:`KEPT`; False (with the error set) past its cap."""
+        if self._account is None or self._kept is None:
+            self._account, self._kept = [0], KEPT
+            weakref.finalize(self, self._kept.give_back, self._account)
+        if self._kept.charge(self._account, n):
+            return True
+        self.error = f"the lab's streams passed the client's cap of {self._kept.cap:,} bytes kept in all"
+        return False
+
+    @property
+    def body_cap(self) -> int:
+        """The most bytes of a body that is not a stream the client reads: parsed, JSON can be 30
+        times its size (8 MiB of ``[{},{},...]`` is about 240 MB, and a launch holds 32), so only
+        the JSON a GET asked for gets :data:`JSON_CAP`, a completion asked for whole
+        :data:`ANSWER_CAP`, and a refusal :data:`REFUSAL_CAP`."""
+        if self.status != 200 or self.asked_stream:
+            return REFUSAL_CAP
+        return JSON_CAP if self.asked_get else ANSWER_CAP
 
     def body_end_by(self, options: ReadOptions) -> float:
         """When reading stops: the request's bound, or :data:`BODY_END_GRACE_S` after the stream's
@@ -263,9 +358,10 @@ class Stream:
         n = options.leave_after_tokens
         return n is not None and self.headers_at is not None and len(self.token_times) >= n and not self.completed
 
-    def refusal(self, stream: bool) -> str | None:
+    def refusal(self) -> str | None:
         """An answer other than the one asked for, as one line: the status and the server's message."""
-        if self.status == 0 or (self.status == 200 and stream == self.content_type.startswith("text/event-stream")):
+        streamed = self.content_type.startswith("text/event-stream")
+        if self.status == 0 or (self.status == 200 and self.asked_stream == streamed):
             return None
         if 300 <= self.status < 400:
             where = urlsplit(self.headers.get("location", "")).netloc or "no Location"
@@ -370,6 +466,26 @@ class EventSplitter:
 
 
 _LINE_END = re.compile(rb"[\r\n]")
+
+
+def _text(value: Any) -> str:
+    """A token's text as sent: a string (anything else, made one, could be many times its size)."""
+    if not isinstance(value, str):
+        raise ValueError(f"a token's text that is not a string but {type(value).__name__}")
+    return value
+
+
+def _reason(value: Any) -> str | None:
+    if value is not None and not (isinstance(value, str) and len(value) <= NAME_CAP):
+        raise ValueError(f"a finish reason that is not a string of at most {NAME_CAP} characters")
+    return value
+
+
+def _usage(event: TimedEvent, value: Any) -> Any:
+    """A usage as sent, if its event is small: it is kept parsed, whole (the wire contract compares it)."""
+    if value is not None and len(event.raw) > USAGE_CAP:
+        raise ValueError(f"a usage in an event of {len(event.raw):,} characters, past the client's {USAGE_CAP:,}")
+    return value
 
 
 def json_or_text(raw: bytes) -> Any:
