@@ -34,10 +34,11 @@ from hostile_helpers import (
 )
 
 from labkit.lab import ReadOptions, Request, Target
-from labkit.lab import stream as stream_module
+from labkit.lab import kept as kept_module
 from labkit.lab.client import JSON_CAP, async_client, get_json, read, run_sync
+from labkit.lab.kept import Kept
 from labkit.lab.probe import connect
-from labkit.lab.stream import REFUSAL_CAP, Kept
+from labkit.lab.stream import REFUSAL_CAP
 from labkit.lab.target import TargetError
 
 
@@ -112,7 +113,7 @@ def test_streams_alive_together_keep_within_one_cap(raw, monkeypatch):
     """Each stream's own caps would let eight endless streams keep 512 MiB; together they keep
     within the process's one cap, and what they kept is given back once they are gone."""
     kept = Kept(cap=8 << 20)
-    monkeypatch.setattr(stream_module, "KEPT", kept)
+    monkeypatch.setattr(kept_module, "KEPT", kept)
     streams = _eight(endless_stream, raw)
     capped = [s for s in streams if s.error == "the lab's streams passed the client's cap of 8,388,608 bytes kept in all"]
     assert capped and 0 < kept.held <= kept.cap
@@ -165,7 +166,7 @@ def test_what_eight_hostile_streams_keep_in_memory_stays_near_the_one_cap(attack
     grows when decoded or made a string, parsed usage, the head's fields), eight streams keep
     within about the one cap, and each attack ends its streams with a failure."""
     kept = Kept(cap=4 << 20)
-    monkeypatch.setattr(stream_module, "KEPT", kept)
+    monkeypatch.setattr(kept_module, "KEPT", kept)
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
@@ -184,7 +185,7 @@ def test_what_eight_hostile_streams_keep_in_memory_stays_near_the_one_cap(attack
 def test_a_kept_wire_is_charged_to_the_one_cap(monkeypatch):
     """Comments make no events, so only the kept wire can reach the cap."""
     kept = Kept(cap=1 << 20)
-    monkeypatch.setattr(stream_module, "KEPT", kept)
+    monkeypatch.setattr(kept_module, "KEPT", kept)
     with hostile(_repeated(b": " + b"c" * 1000 + b"\n")) as url:
         stream = completion(Target(url, api="openai"), ReadOptions(timeout=60, keep_wire=True, max_event_bytes=64 << 20),
                             raw=True)  # fmt: skip

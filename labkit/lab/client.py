@@ -32,7 +32,7 @@ import httpx
 import numpy as np
 
 from labkit.lab.raw import BASE_HEADERS, MIB, hang_up, read_raw
-from labkit.lab.stream import API, JSON_CAP, REFUSAL_CAP, EventSplitter, ReadOptions, Stream, json_or_text
+from labkit.lab.stream import API, JSON_CAP, EventSplitter, ReadOptions, Stream, json_or_text
 
 # When the run in progress must end (perf_counter), if it has a budget: every read ends by then.
 RUN_ENDS: contextvars.ContextVar[float | None] = contextvars.ContextVar("labkit_run_ends", default=None)
@@ -172,7 +172,11 @@ async def _read_httpx(response: httpx.Response, result: Stream, options: ReadOpt
     sock = _socket(response)
     chunks = _decoded(response.aiter_raw(), result.headers.get("content-encoding", "").strip().lower() == "gzip")
     if not result.content_type.startswith("text/event-stream"):
-        result.body = json_or_text(await _capped(chunks, result.body_cap, result))
+        body = bytearray()
+        async for chunk in chunks:
+            if not result.take_body(body, chunk):
+                break
+        result.body = None if result.error else json_or_text(bytes(body))
         result.ended = time.perf_counter()
         return
     splitter = EventSplitter()
@@ -238,20 +242,6 @@ async def _decoded(chunks: AsyncIterator[bytes], gzip: bool) -> AsyncIterator[by
                 yield out
         if inflate is None:
             yield chunk
-
-
-async def _capped(chunks: Any, cap: int, result: Stream) -> bytes:
-    """The body, read within ``cap``: past it the answer asked for fails; a refusal past its
-    smaller cap is kept to it (its head and first bytes say what it is), the rest unread."""
-    kept = bytearray()
-    async for chunk in chunks:
-        result.total_bytes += len(chunk)
-        if len(kept) + len(chunk) > cap:
-            if cap > REFUSAL_CAP:
-                raise httpx.ReadError(f"answer larger than the client's cap of {cap // (1 << 20)} MiB")
-            return bytes(kept + chunk[: cap - len(kept)])
-        kept += chunk
-    return bytes(kept)
 
 
 # --------------------------------------------------------------------------- many at once

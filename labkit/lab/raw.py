@@ -7,7 +7,8 @@ leaving by RST arms a zero linger and closes. :func:`hang_up` serves the httpx r
 
 Bounded as the httpx reader is: every byte received counts against the stream's cap (heads and
 1xx answers within :data:`HEAD_ROOM` of it), a body that is not a stream against
-:attr:`Stream.body_cap <labkit.lab.stream.Stream.body_cap>`, a kept wire against :data:`KEPT`.
+:attr:`Stream.body_cap <labkit.lab.stream.Stream.body_cap>`, a kept wire against
+:data:`~labkit.lab.kept.KEPT`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from urllib.parse import urlsplit
 
 import h11
 
-from labkit.lab.stream import REFUSAL_CAP, EventSplitter, ReadOptions, Stream, json_or_text
+from labkit.lab.stream import EventSplitter, ReadOptions, Stream, json_or_text
 from labkit.machine import linger_zero
 
 if TYPE_CHECKING:
@@ -166,15 +167,7 @@ def _raw_events(conn: h11.Connection, result: Stream, splitter: EventSplitter, k
             if result.content_type.startswith("text/event-stream"):
                 if not result.take(splitter, bytes(event.data), now, o):
                     return True
-            elif len(kept) + len(event.data) > (cap := result.body_cap):
-                result.total_bytes += len(event.data)
-                if cap > REFUSAL_CAP:
-                    result.error = f"answer larger than the client's cap of {cap >> 20} MiB"
-                else:  # a refusal: its head and first bytes say what it is; the rest is never read
-                    kept += event.data[: cap - len(kept)]
+            elif not result.take_body(kept, bytes(event.data)):
                 return True
-            else:
-                result.total_bytes += len(event.data)
-                kept += event.data
         elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
             return True

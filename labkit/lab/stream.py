@@ -14,8 +14,8 @@ events kept; going past a bound ends the read with an ``error`` naming it. An ev
 text it came as and parsed when read, so what a stream holds is about the size of its wire bytes
 (parsed JSON can be 30 times larger: a ``{}`` of 2 bytes is a 64-byte dict). A body that is not a
 stream is parsed whole, so it is read within :attr:`Stream.body_cap`: far less for a refusal than
-for the JSON asked for. Every stream alive keeps within one cap for them all (:data:`KEPT`), so
-many streams at their own caps do not add up to gigabytes. And an answer is read as the one asked
+for the JSON asked for. Every stream alive keeps within one cap for them all (:data:`~labkit.lab.kept.KEPT`), so
+many streams at their own caps do not add up to gigabytes (:mod:`labkit.lab.kept`). And an answer is read as the one asked
 for: one choice a chunk (``n`` is 1), a token count that is a count within ``max_tokens``, nothing
 after the stream's end; anything else is a ``stream_error``, never tokens.
 """
@@ -25,16 +25,17 @@ from __future__ import annotations
 import json
 import re
 import sys
-import threading
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from labkit.lab import kept
+from labkit.lab.kept import Kept
 from labkit.sse import SSEParser
 
-__all__ = ["API", "LeaveBy", "ReadOptions", "TimedEvent", "Stream", "EventSplitter", "Kept", "KEPT", "json_or_text"]
+__all__ = ["API", "LeaveBy", "ReadOptions", "TimedEvent", "Stream", "EventSplitter", "json_or_text"]
 
 API = Literal["labkit", "openai", "openai-chat"]
 LeaveBy = Literal["fin", "rst"]
@@ -46,54 +47,6 @@ REFUSAL_CAP = 64 * 1024  # bytes of any other body (an error's envelope, JSON wh
 ID_CAP, NAME_CAP = 256, 64  # characters of an event's id and name (labkit's ids are numbers; OpenAI sends none)
 USAGE_CAP = 64 * 1024  # characters of an event that carries a usage (parsed, it is kept whole)
 EVENT_COST = 160  # bytes an event costs beyond its strings: the objects that hold it and what it means
-
-
-class Kept:
-    """What every stream the lab's client holds keeps, together, within one cap for the process.
-
-    A stream's caps bound that stream; 32 hostile streams, each at its caps, still held 1.4 to
-    2.6 GB (a review). So every string a stream keeps (an event's data, id and name, a token's
-    text, the head's fields, a kept wire) is charged here at its size in memory, with
-    :data:`EVENT_COST` for the objects around an event, and what is parsed and kept is bounded
-    where it is read (:data:`USAGE_CAP`, a short finish reason). The charge is given back when the
-    stream is collected: the cap bounds what is alive at once, not what a long run reads. A
-    legitimate trial keeps about a megabyte; ``peak`` is the most ever held.
-    """
-
-    def __init__(self, cap: int = 512 * MiB) -> None:
-        self.cap, self.peak, self._held = cap, 0, 0
-        self._lock = threading.Lock()  # streams in several threads charge it
-        # given back by finalizers, which may run inside charge() (a collection at any allocation):
-        # list.append takes no lock, so a finalizer never waits on the lock its own thread holds
-        self._returned: list[list[int]] = []
-
-    @property
-    def held(self) -> int:
-        with self._lock:
-            self._settle()
-            return self._held
-
-    def charge(self, account: list[int], n: int) -> bool:
-        with self._lock:
-            self._settle()
-            if self._held + n > self.cap:
-                return False
-            self._held += n
-            account[0] += n
-            self.peak = self._held if self._held > self.peak else self.peak
-            return True
-
-    def give_back(self, account: list[int]) -> None:
-        self._returned.append(account)
-
-    def _settle(self) -> None:
-        while self._returned:
-            account = self._returned.pop()
-            self._held -= account[0]
-            account[0] = 0
-
-
-KEPT = Kept()
 
 
 @dataclass(frozen=True)
@@ -291,8 +244,7 @@ class Stream:
             self.error = f"an answer in Content-Encoding: {coding[:60]}, where the client asked for {asked}"
         elif "," in self.content_type.split(";")[0]:  # a field sent twice (joined): which one is the body?
             self.error = f"an answer with more than one Content-Type: {self.content_type[:80]}"
-        fields = sys.getsizeof(headers) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in headers.items())
-        if self.error is None and not self.keep(fields):  # httpx allows a head of 100 KiB: thousands of fields
+        if self.error is None and not self.keep(_size(headers)):  # httpx allows 100 KiB: thousands of fields
             self.headers = {}
 
     def take(self, splitter: EventSplitter, chunk: bytes, now: float, options: ReadOptions) -> bool:
@@ -325,13 +277,28 @@ class Stream:
         return True
 
     def keep(self, n: int) -> bool:
-        """Charge ``n`` more bytes kept to :data:`KEPT`; False (with the error set) past its cap."""
+        """Charge ``n`` more bytes kept to the one cap; False (with the error set) past it."""
         if self._account is None or self._kept is None:
-            self._account, self._kept = [0], KEPT
+            self._account, self._kept = [0], kept.KEPT
             weakref.finalize(self, self._kept.give_back, self._account)
         if self._kept.charge(self._account, n):
             return True
         self.error = f"the lab's streams passed the client's cap of {self._kept.cap:,} bytes kept in all"
+        return False
+
+    def take_body(self, body: bytearray, data: bytes) -> bool:
+        """Add one read of a body that is not a stream to ``body``; False once reading stops.
+        Past :attr:`body_cap` the answer asked for fails, and a refusal is kept to the cap (its
+        head and first bytes say what it is) with the rest never read."""
+        self.total_bytes += len(data)
+        cap = self.body_cap
+        if len(body) + len(data) <= cap:
+            body += data
+            return True
+        if cap > REFUSAL_CAP:
+            self.error = f"answer larger than the client's cap of {cap >> 20} MiB"
+        else:
+            body += data[: cap - len(body)]
         return False
 
     @property
@@ -466,6 +433,10 @@ class EventSplitter:
 
 
 _LINE_END = re.compile(rb"[\r\n]")
+
+
+def _size(headers: dict[str, str]) -> int:
+    return sys.getsizeof(headers) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in headers.items())
 
 
 def _text(value: Any) -> str:
